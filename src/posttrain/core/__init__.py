@@ -1,0 +1,99 @@
+"""Pure tensor math of every post-training algorithm (no Lightning, no transformers, no I/O).
+
+Each formula lives here once, under its paper's name, and is selectable by the string the
+config groups use through one registry per family:
+
+  KL_ESTIMATORS         kl_estimator group   fn(logp, ref_logp, old_logp=None) -> [B,T]
+  ADVANTAGE_ESTIMATORS  advantage group      fn(token_rewards, mask, group_index, values=None, **opts)
+  POLICY_LOSSES         algorithm.loss       fn(logp, old_logp, advantages, mask, *, clip...) -> (loss, stats)
+  AGGREGATION_MODES     algorithm.agg_mode   aggregate_loss(loss_mat, mask, mode, ...)
+  PREFERENCE_LOSSES     dpo/ipo/hinge/simpo  fn(chosen, rejected, ref_chosen, ref_rejected, *, beta, ...)
+  DISTILL_DIVERGENCES   opd / kd             fn(student_logits, teacher_logits, *, beta=0.5) -> [B,T]
+  KL_CONTROLLERS        kl coefficient       fixed | adaptive
+
+See README.md in this folder for the table of functions, papers and formulas.
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    discounted_returns,
+    dr_grpo_advantages,
+    gae_advantages,
+    grpo_advantages,
+    prm_step_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    sequence_scores,
+)
+from .aggregation import AGGREGATION_MODES, aggregate_loss, count_tokens_and_seqs
+from .checks import check_finite, set_finite_checks
+from .distill import (
+    DISTILL_DIVERGENCES,
+    distill_divergence,
+    forward_kl,
+    generalized_jsd,
+    kdrl_k2_loss,
+    kdrl_reward_mask,
+    reverse_kl,
+    reverse_kl_sampled,
+)
+from .groups import group_ids
+from .kl import (
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    build_kl_controller,
+    clamped_log_ratio,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_k3_unbiased,
+    kl_penalty,
+    kl_straight_through,
+)
+from .length import dapo_overlong_penalty, kimi_length_reward
+from .logprobs import entropy_from_logits, logprobs_from_logits
+from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .policy_loss import (
+    POLICY_LOSSES,
+    cispo_loss,
+    compute_policy_loss,
+    gspo_loss,
+    gspo_sequence_log_ratio,
+    offpolicy_sequence_mask,
+    ppo_clip_loss,
+    reinforce_loss,
+)
+from .preference import (
+    PREFERENCE_LOSSES,
+    bradley_terry_loss,
+    dpo_loss,
+    hinge_loss,
+    ipo_loss,
+    preference_loss,
+    simpo_loss,
+)
+from .value import ptx_loss, value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "DISTILL_DIVERGENCES", "KL_CONTROLLERS",
+    "KL_ESTIMATORS", "POLICY_LOSSES", "PREFERENCE_LOSSES",
+    "AdaptiveKLController", "FixedKLController",
+    "aggregate_loss", "apply_kl_in_reward", "bradley_terry_loss", "build_kl_controller",
+    "check_finite", "cispo_loss", "clamped_log_ratio", "compute_advantages",
+    "compute_policy_loss", "count_tokens_and_seqs", "dapo_overlong_penalty",
+    "discounted_returns", "distill_divergence", "dpo_loss", "dr_grpo_advantages",
+    "entropy_from_logits", "forward_kl", "gae_advantages", "generalized_jsd", "group_ids",
+    "grpo_advantages", "gspo_loss", "gspo_sequence_log_ratio", "hinge_loss", "ipo_loss",
+    "kdrl_k2_loss", "kdrl_reward_mask", "kimi_length_reward", "kl_k1", "kl_k2", "kl_k3",
+    "kl_k3_unbiased", "kl_penalty", "kl_straight_through", "logprobs_from_logits",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "offpolicy_sequence_mask",
+    "ppo_clip_loss", "preference_loss", "prm_step_advantages", "ptx_loss",
+    "reinforce_loss", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
+    "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sequence_scores",
+    "set_finite_checks", "simpo_loss", "value_loss",
+]

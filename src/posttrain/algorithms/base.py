@@ -1,0 +1,84 @@
+"""What every posttrain LightningModule shares: the policy, the optimiser and schedule,
+held-out evaluation by greedy generation, and the resumable count of training batches."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+
+from posttrain.rollout import SamplingParams, build_rollout
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Response texts without padding and special tokens (EOS)."""
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(response_ids, response_mask)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+class PosttrainModule(L.LightningModule):
+    """Base of all algorithms. Subclasses write `training_step` and call `self.evaluate`."""
+
+    def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens: int):
+        super().__init__()
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.source = source
+        self.optim = optim
+        self.rollout_cfg = rollout
+        self.engine = build_rollout(rollout.engine)
+        self.eval_max_new_tokens = eval_max_new_tokens
+        self.train_batches_seen = 0  # restored on resume: the data stream restarts here
+        self._eval_correct: list[float] = []
+        self._eval_lengths: list[float] = []
+
+    # --- optimisation -------------------------------------------------------------------
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(
+            [p for p in self.policy.parameters() if p.requires_grad],
+            lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=tuple(self.optim.betas),
+        )
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else 1
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, self.optim.warmup_steps, total, self.optim.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # --- resumable data position ------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["train_batches_seen"] = self.train_batches_seen
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.train_batches_seen = checkpoint["train_batches_seen"]
+
+    # --- generation and held-out evaluation ---------------------------------------------------
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams, generator=None):
+        return self.engine.generate(
+            self.policy, prompt_ids, prompt_mask, params,
+            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            generator=generator,
+        )
+
+    def validation_step(self, batch, batch_idx):
+        params = SamplingParams(max_new_tokens=self.eval_max_new_tokens, greedy=True, temperature=0.0)
+        rollout = self.generate(batch["prompt_ids"], batch["prompt_mask"], params)
+        texts = decode_responses(self.tokenizer, rollout.response_ids, rollout.response_mask)
+        self._eval_correct += [float(self.source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
+        self._eval_lengths += rollout.response_lengths().float().tolist()
+
+    def on_validation_epoch_end(self):
+        if not self._eval_correct:
+            return
+        accuracy = sum(self._eval_correct) / len(self._eval_correct)
+        length = sum(self._eval_lengths) / len(self._eval_lengths)
+        self.log_dict({"eval/accuracy": accuracy, "eval/response_len": length}, prog_bar=True)
+        self._eval_correct, self._eval_lengths = [], []

@@ -1,0 +1,247 @@
+"""Advantage estimators: rewards (and values) -> per-token advantages and returns.
+
+One signature for the whole family::
+
+    fn(token_rewards [B,T], mask [B,T], group_index [B], values=None [B,T], **options)
+        -> (advantages [B,T], returns [B,T])
+
+Outcome (sequence) rewards arrive as ``token_rewards`` with the score at the last valid
+token; group estimators use the sequence score R_i = sum_t token_rewards[i, t] over valid
+tokens, so a per-token KL-in-reward shaping is summed into it. Advantages and returns are
+0 on padded tokens, are computed without gradient, and for outcome estimators
+``returns == advantages`` (there is no critic to regress).
+
+Degenerate groups are defined, never NaN:
+  * zero-variance group (all scores equal): advantage 0 for every group estimator;
+  * group of size 1: no baseline can be formed from the others, advantage 0 for
+    group_norm, group_mean, rloo, reinforce_pp_baseline and prm_step (the sample carries no
+    relative signal);
+  * all-padding rows: advantage 0, and they are left out of their group's statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .checks import check_finite, check_shape, lookup, valid_mask
+from .groups import GroupIndex, group_ids, group_max, group_mean, group_min, group_std, group_sum
+from .masked import masked_sum, masked_whiten
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _validate(token_rewards, mask, values=None) -> torch.Tensor:
+    if token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards must be [B, T], got shape {tuple(token_rewards.shape)}")
+    check_shape("mask", mask, token_rewards.shape, "token_rewards")
+    check_finite("token_rewards", token_rewards, mask)
+    if values is not None:
+        check_shape("values", values, token_rewards.shape, "token_rewards")
+        check_finite("values", values, mask)
+    return valid_mask(mask)
+
+
+def _groups(group_index, valid: torch.Tensor) -> GroupIndex:
+    """Group ids in which all-padding rows are singletons: they have no score (it would sit
+    on their last valid token), so they must not shift their group's mean or std."""
+    g = group_ids(group_index, valid.shape[0])  # validates shape and dtype
+    has_tokens = valid.any(-1)
+    if bool(has_tokens.all()):
+        return g
+    fresh = g.num_groups + torch.arange(valid.shape[0], device=g.inverse.device)
+    return group_ids(torch.where(has_tokens, g.inverse, fresh), valid.shape[0])
+
+
+def _broadcast(seq_adv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, T] on valid tokens, 0 on padding."""
+    full = seq_adv.unsqueeze(-1).expand(valid.shape)
+    return torch.where(valid, full, torch.zeros_like(full))
+
+
+def sequence_scores(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """R_i = sum_t r_it over valid tokens -> [B]."""
+    return masked_sum(token_rewards, mask, dim=-1)
+
+
+def _zero_variance(scores: torch.Tensor, g: GroupIndex) -> torch.Tensor:
+    # Compare extremes instead of testing std == 0: the float mean of equal numbers need not
+    # equal them exactly, which would leave tiny nonzero "advantages".
+    return group_max(scores, g) == group_min(scores, g)
+
+
+@torch.no_grad()
+def grpo_advantages(
+    token_rewards, mask, group_index, values=None, *, eps: float = 1e-6, norm_by_std: bool = True
+):
+    """GRPO (Shao et al. 2024): A_i = (R_i - mean_G R) / (std_G R + eps), unbiased std.
+
+    ``norm_by_std=False`` drops the division (Dr. GRPO, see ``dr_grpo_advantages``).
+    """
+    valid = _validate(token_rewards, mask)
+    scores = sequence_scores(token_rewards, mask)
+    g = _groups(group_index, valid)
+    centred = scores - group_mean(scores, g)
+    if norm_by_std:
+        centred = centred / (group_std(scores, g, unbiased=True) + eps)
+    degenerate = _zero_variance(scores, g) | (g.counts[g.inverse] < 2)
+    adv = torch.where(degenerate, torch.zeros_like(centred), centred)
+    adv = _broadcast(adv, valid)
+    return adv, adv.clone()
+
+
+@torch.no_grad()
+def dr_grpo_advantages(token_rewards, mask, group_index, values=None):
+    """Dr. GRPO (Liu et al. 2025): A_i = R_i - mean_G R (no std normalisation)."""
+    return grpo_advantages(token_rewards, mask, group_index, norm_by_std=False)
+
+
+@torch.no_grad()
+def rloo_advantages(token_rewards, mask, group_index, values=None):
+    """RLOO (Ahmadian et al. 2024): A_i = R_i - (sum_{j != i} R_j) / (G - 1); 0 when G = 1."""
+    valid = _validate(token_rewards, mask)
+    scores = sequence_scores(token_rewards, mask)
+    g = _groups(group_index, valid)
+    n = g.counts[g.inverse].to(scores.dtype)
+    others = (group_sum(scores, g)[g.inverse] - scores) / (n - 1).clamp_min(1)
+    adv = torch.where(n > 1, scores - others, torch.zeros_like(scores))
+    adv = _broadcast(adv, valid)
+    return adv, adv.clone()
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over valid tokens; padding neither adds nor discounts.
+
+    Masked positions inside a response (e.g. tool output in a multi-turn rollout) are
+    skipped, so the return flows across them unchanged; padding gets 0.
+    """
+    valid = valid_mask(mask)
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        m = valid[:, t]
+        running = torch.where(m, token_rewards[:, t] + gamma * running, running)
+        out[:, t] = running
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(
+    token_rewards, mask, group_index=None, values=None, *, gamma: float = 1.0, whiten_eps: float = 1e-8
+):
+    """REINFORCE++ (Hu 2025): A_t = whiten_batch(sum_{k>=t} gamma^(k-t) r_k), global whitening.
+
+    Returns are the un-whitened discounted returns.
+    """
+    valid = _validate(token_rewards, mask)
+    returns = discounted_returns(token_rewards, valid, gamma)
+    adv = masked_whiten(returns, valid, shift_mean=True, eps=whiten_eps)
+    return adv, returns
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(
+    token_rewards, mask, group_index, values=None, *, whiten_eps: float = 1e-8
+):
+    """REINFORCE++-baseline (Hu 2025): A_i = whiten_batch(R_i - mean_G R) over valid tokens."""
+    valid = _validate(token_rewards, mask)
+    adv, _ = dr_grpo_advantages(token_rewards, mask, group_index)
+    adv = masked_whiten(adv, valid, shift_mean=True, eps=whiten_eps)
+    return adv, adv.clone()
+
+
+@torch.no_grad()
+def gae_advantages(
+    token_rewards,
+    mask,
+    group_index=None,
+    values=None,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten: bool = True,
+    whiten_eps: float = 1e-8,
+):
+    """GAE (Schulman et al. 2016): A_t = sum_l (gamma lam)^l delta_{t+l},
+    delta_t = r_t + gamma V_{t+1} - V_t; returns = A + V (computed before optional whitening).
+
+    V after the last valid token is 0 (the response ends the episode). Masked positions
+    inside a response are skipped, as in ``discounted_returns``. ``whiten`` (default on, as
+    in PPO implementations) whitens the advantages over all valid tokens.
+    """
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs values (critic predictions [B, T])")
+    valid = _validate(token_rewards, mask, values=values)
+    values = torch.where(valid, values, torch.zeros_like(values)).to(token_rewards.dtype)
+    adv = torch.zeros_like(token_rewards)
+    next_value = torch.zeros_like(token_rewards[:, 0])
+    running = torch.zeros_like(next_value)
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        m = valid[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        running = torch.where(m, delta + gamma * lam * running, running)
+        next_value = torch.where(m, values[:, t], next_value)
+        adv[:, t] = running
+    adv = torch.where(valid, adv, torch.zeros_like(adv))
+    returns = torch.where(valid, adv + values, torch.zeros_like(adv))
+    if whiten:
+        adv = masked_whiten(adv, valid, shift_mean=True, eps=whiten_eps)
+    return adv, returns
+
+
+@torch.no_grad()
+def prm_step_advantages(
+    token_rewards, mask, group_index, values=None, *, step_mask=None, eps: float = 1e-6
+):
+    """Process supervision (DeepSeekMath, Shao et al. 2024):
+    r~ = (r_step - mean_G) / (std_G + eps) over all steps of the group; A_t = sum of r~ of
+    the steps ending at or after t.
+
+    ``token_rewards`` holds each step's reward at the step's last token and ``step_mask``
+    (bool [B, T], required) marks those step-end tokens. Steps outside ``mask`` are ignored.
+    A group whose step rewards are all equal, or that has fewer than 2 steps, gets 0.
+    """
+    if step_mask is None:
+        raise ValueError(
+            "advantage estimator 'prm_step' needs step_mask (bool [B, T], True at the last "
+            "token of each reasoning step, where token_rewards holds that step's reward)"
+        )
+    valid = _validate(token_rewards, mask)
+    check_shape("step_mask", step_mask, token_rewards.shape, "token_rewards")
+    steps = valid & valid_mask(step_mask)
+    g = _groups(group_index, valid)
+    r = torch.where(steps, token_rewards, torch.zeros_like(token_rewards))
+
+    n = group_sum(steps.sum(-1).to(r.dtype), g)[g.inverse]  # steps in my group, [B]
+    mean = (group_sum(r.sum(-1), g)[g.inverse] / n.clamp_min(1)).unsqueeze(-1)
+    sq = torch.where(steps, (r - mean) ** 2, torch.zeros_like(r)).sum(-1)
+    var = group_sum(sq, g)[g.inverse] / (n - 1).clamp_min(1)
+    std = var.sqrt().unsqueeze(-1)
+    big = torch.finfo(r.dtype).max
+    lo = group_min(torch.where(steps, r, torch.full_like(r, big)).amin(-1), g)
+    hi = group_max(torch.where(steps, r, torch.full_like(r, -big)).amax(-1), g)
+    degenerate = ((n < 2) | (hi == lo)).unsqueeze(-1)
+
+    normed = torch.where(steps & ~degenerate, (r - mean) / (std + eps), torch.zeros_like(r))
+    # Reverse cumulative sum: each token collects the normalised rewards of steps ending later.
+    adv = normed.flip(-1).cumsum(-1).flip(-1)
+    adv = torch.where(valid, adv, torch.zeros_like(adv))
+    return adv, adv.clone()
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
+    "group_norm": grpo_advantages,
+    "group_mean": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "gae": gae_advantages,
+    "prm_step": prm_step_advantages,
+}
+
+
+def compute_advantages(name: str, token_rewards, mask, group_index, values=None, **options):
+    """``ADVANTAGE_ESTIMATORS[name](token_rewards, mask, group_index, values, **options)``."""
+    fn = lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+    return fn(token_rewards, mask, group_index, values, **options)

@@ -1,0 +1,147 @@
+"""Distillation divergences between a student and a teacher.
+
+Full-distribution divergences take logits [B, T, V] (same vocabulary) and return a
+per-token [B, T] tensor; aggregate with ``aggregate_loss``. One signature for the registry::
+
+    fn(student_logits [B,T,V], teacher_logits [B,T,V], *, beta=0.5) -> [B, T]
+
+(``beta`` is used by "generalized_jsd" only). The teacher is a constant: its logits are
+detached. Logits may be -inf for banned tokens; such tokens contribute 0, except that
+reverse KL is +inf when the student puts mass where the teacher has none (that is its value).
+
+Sample-based forms work on the log-probs of the sampled tokens only (no vocabulary pass):
+``reverse_kl_sampled`` for on-policy distillation and ``kdrl_k2_loss`` for KDRL.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .aggregation import aggregate_loss
+from .checks import check_finite, check_shape, finite_checks_enabled, lookup, valid_mask
+from .kl import kl_k1, kl_k2
+from .masked import masked_mean
+
+DivergenceFn = Callable[..., torch.Tensor]
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _log_softmax(logits: torch.Tensor, name: str) -> torch.Tensor:
+    # -inf is allowed (banned tokens); NaN and +inf are not.
+    if finite_checks_enabled() and bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
+        raise ValueError(f"{name} contain NaN or +inf")
+    return torch.log_softmax(logits.float() if logits.dtype in _HALF else logits, dim=-1)
+
+
+def _pair(student_logits, teacher_logits):
+    check_shape("teacher_logits", teacher_logits, student_logits.shape, "student_logits")
+    return _log_softmax(student_logits, "student_logits"), _log_softmax(teacher_logits.detach(), "teacher_logits")
+
+
+def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) = sum_v p (log p - log q) over the last dim; p = 0 terms are 0."""
+    p = logp.exp()
+    support = p > 0
+    # Replace -inf before subtracting so neither the value nor the backward forms 0 * inf.
+    diff = torch.where(support, logp - torch.where(support, logq, torch.zeros_like(logq)), torch.zeros_like(logp))
+    return (p * diff).sum(-1)
+
+
+def reverse_kl(student_logits, teacher_logits):
+    """Reverse KL (mode seeking; on-policy distillation): KL(p_s || p_t) = sum_v p_s (log p_s - log p_t)."""
+    ls, lt = _pair(student_logits, teacher_logits)
+    return _kl(ls, lt)
+
+
+def forward_kl(student_logits, teacher_logits):
+    """Forward KL (mean seeking; classic KD): KL(p_t || p_s) = sum_v p_t (log p_t - log p_s)."""
+    ls, lt = _pair(student_logits, teacher_logits)
+    return _kl(lt, ls)
+
+
+def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5):
+    """Generalised JSD (GKD, Agarwal et al. 2024): beta KL(p_t || m) + (1 - beta) KL(p_s || m),
+    m = beta p_t + (1 - beta) p_s.
+
+    beta = 0.5 is the symmetric JSD (bounded by log 2). Near beta = 0 it behaves like
+    beta * forward KL, near 1 like (1 - beta) * reverse KL; at exactly 0 or 1 it is
+    identically 0, so those values are refused (use forward_kl / reverse_kl).
+    """
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"generalized_jsd needs 0 < beta < 1 (got {beta!r}); use forward_kl/reverse_kl at the ends")
+    ls, lt = _pair(student_logits, teacher_logits)
+    # Where both distributions ban a token, logsumexp sees only -inf and its gradient is NaN;
+    # m has no mass there and neither KL term reads it, so any finite placeholder will do.
+    support = torch.isfinite(lt) | torch.isfinite(ls)
+    zero = torch.zeros_like(lt)
+    stacked = torch.stack([torch.where(support, lt, zero) + math.log(beta), torch.where(support, ls, zero) + math.log(1.0 - beta)])
+    log_m = torch.logsumexp(stacked, dim=0)
+    return beta * _kl(lt, log_m) + (1.0 - beta) * _kl(ls, log_m)
+
+
+DISTILL_DIVERGENCES: dict[str, DivergenceFn] = {
+    "reverse_kl": lambda s, t, *, beta=0.5: reverse_kl(s, t),
+    "forward_kl": lambda s, t, *, beta=0.5: forward_kl(s, t),
+    "generalized_jsd": lambda s, t, *, beta=0.5: generalized_jsd(s, t, beta),
+}
+
+
+def distill_divergence(name: str, student_logits, teacher_logits, *, beta: float = 0.5):
+    """``DISTILL_DIVERGENCES[name](student_logits, teacher_logits, beta=beta)`` -> [B, T]."""
+    return lookup(DISTILL_DIVERGENCES, name, "distillation divergence")(student_logits, teacher_logits, beta=beta)
+
+
+def reverse_kl_sampled(student_logp, teacher_logp):
+    """Per-token reverse-KL sample on student tokens: log p_s(y_t) - log p_t(y_t) (= k1).
+
+    Its expectation over student samples is KL(p_s || p_t); on-policy distillation uses its
+    negative as a per-token reward (detach it there).
+    """
+    return kl_k1(student_logp, teacher_logp)
+
+
+def kdrl_reward_mask(rewards: torch.Tensor) -> torch.Tensor:
+    """KDRL reward-guided masking -> [B] float: 1 (distil) where reward <= 0, 0 where reward > 0.
+
+    Correct (positively rewarded) responses already get their signal from RL; pulling them
+    towards the teacher as well over-regularises (Xu et al. 2025).
+    """
+    check_finite("rewards", rewards)
+    return (rewards <= 0).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def kdrl_k2_loss(
+    student_logp, teacher_logp, mask, reward_mask=None, agg_mode="token-mean", *,
+    num_tokens=None, num_seqs=None, norm_constant=None,
+):
+    """KDRL KD term (Xu et al. 2025): k2 = 0.5 (log p_s(y_t) - log p_t(y_t))^2 on student samples.
+
+    On-policy, grad E[k2] is exactly grad KL(p_s || p_t) (see ``kl_k2``). ``reward_mask`` [B]
+    (e.g. ``kdrl_reward_mask(rewards)``) zeroes whole sequences; as for ``seq_mask`` in the
+    policy losses the normalising counts still come from ``mask``, so the KD coefficient
+    keeps the same scale as the RL term. Returns (loss, stats) with ``distill/k2`` (mean
+    over distilled tokens) and ``distill/masked_frac`` (fraction of non-empty sequences masked).
+    """
+    check_shape("teacher_logp", teacher_logp, student_logp.shape, "student_logp")
+    check_shape("mask", mask, student_logp.shape, "student_logp")
+    check_finite("student_logp", student_logp, mask)
+    check_finite("teacher_logp", teacher_logp, mask)
+    valid = valid_mask(mask)
+    used = valid
+    if reward_mask is not None:
+        check_shape("reward_mask", reward_mask, student_logp.shape[:1], "student_logp[:, 0]")
+        used = valid & valid_mask(reward_mask).unsqueeze(-1)
+    k2 = kl_k2(student_logp, teacher_logp)
+    loss = aggregate_loss(
+        torch.where(used, k2, torch.zeros_like(k2)), mask, agg_mode,
+        num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant,
+    )
+    nonempty = valid.any(-1)
+    stats = {
+        "distill/k2": masked_mean(k2.detach(), used),
+        "distill/masked_frac": masked_mean((~used.any(-1)).to(k2.dtype), nonempty),
+    }
+    return loss, stats

@@ -1,0 +1,79 @@
+"""Masked reductions over padded [B, T] tensors.
+
+``mask`` may be bool or float. A float mask acts as weights (1 = real token, 0 = padding);
+padded entries are removed with ``torch.where`` before weighting, so NaN/inf stored in
+padding never leaks into a result (``inf * 0`` would be NaN). Empty selections give 0,
+never a division by zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import valid_mask
+
+
+def _weights(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return mask.to(like.dtype)
+
+
+def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den where den > 0, else 0 (the denominator is replaced first so no inf is formed)."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def masked_sum(
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, keepdim: bool = False
+) -> torch.Tensor:
+    """sum(x * m) over ``dim`` (all dims if None), padded entries dropped."""
+    m = _weights(mask, x)
+    xs = torch.where(valid_mask(mask), x, torch.zeros_like(x)) * m
+    return xs.sum() if dim is None else xs.sum(dim=dim, keepdim=keepdim)
+
+
+def masked_count(mask: torch.Tensor, dim: int | None = None, keepdim: bool = False, dtype=torch.float32):
+    """sum(m): number (or total weight) of valid entries."""
+    m = mask.to(dtype)
+    return m.sum() if dim is None else m.sum(dim=dim, keepdim=keepdim)
+
+
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, keepdim: bool = False
+) -> torch.Tensor:
+    """sum(x * m) / sum(m); 0 where nothing is valid."""
+    total = masked_sum(x, mask, dim=dim, keepdim=keepdim)
+    count = masked_count(mask, dim=dim, keepdim=keepdim, dtype=x.dtype)
+    return _safe_div(total, count)
+
+
+def masked_var(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, dim: int | None = None,
+    keepdim: bool = False,
+) -> torch.Tensor:
+    """sum(m (x - mean)^2) / (n - 1) (unbiased) or / n; 0 when n <= 1 (unbiased) or n == 0.
+
+    Defining the variance of a single element as 0 (instead of torch's NaN) keeps whitening
+    of tiny batches finite: the centred value is 0 there anyway.
+    """
+    mean = masked_mean(x, mask, dim=dim, keepdim=True)
+    sq = masked_sum((x - mean) ** 2, mask, dim=dim, keepdim=keepdim)
+    n = masked_count(mask, dim=dim, keepdim=keepdim, dtype=x.dtype)
+    return _safe_div(sq, n - 1 if unbiased else n)
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over all valid entries (unbiased var); padding -> 0.
+
+    With ``shift_mean=False`` the mean is added back (scale only). Zero-variance input maps
+    to 0 (or to the mean), not NaN, thanks to ``eps`` and the n <= 1 convention above.
+    """
+    valid = valid_mask(mask)
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(valid, out, torch.zeros_like(out))

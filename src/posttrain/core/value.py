@@ -1,0 +1,76 @@
+"""Critic loss (PPO value clipping) and the PPO-ptx pretraining term."""
+
+from __future__ import annotations
+
+import torch
+
+from .aggregation import aggregate_loss
+from .checks import check_finite, check_shape, valid_mask
+from .logprobs import logprobs_from_logits
+from .masked import masked_mean
+
+
+def value_loss(
+    values, old_values, returns, mask, clip_range=None, agg_mode="token-mean", *,
+    num_tokens=None, num_seqs=None, norm_constant=None,
+):
+    """PPO value loss: l_t = 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
+
+    Without ``clip_range`` it is 0.5 (V - R)^2. Returns (loss, stats) with stats
+    ``vf_clip_frac`` (tokens where the clipped error is the larger one, i.e. the gradient is
+    cut), ``vpred_mean`` and ``value_mse`` (unclipped squared error), over valid tokens.
+    """
+    check_shape("old_values", old_values, values.shape, "values")
+    check_shape("returns", returns, values.shape, "values")
+    check_shape("mask", mask, values.shape, "values")
+    for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
+        check_finite(name, x, mask)
+    valid = valid_mask(mask)
+    target = returns.detach()
+    err = (values - target) ** 2
+    if clip_range is None:
+        loss_mat = 0.5 * err
+        clip_frac = torch.zeros((), dtype=values.dtype, device=values.device)
+    else:
+        if not clip_range > 0:
+            raise ValueError(f"clip_range must be > 0 or None, got {clip_range!r}")
+        old = old_values.detach()
+        clipped = old + torch.clamp(values - old, -clip_range, clip_range)
+        err_clipped = (clipped - target) ** 2
+        loss_mat = 0.5 * torch.maximum(err, err_clipped)
+        clip_frac = masked_mean((err_clipped > err).to(values.dtype), valid)
+    loss = aggregate_loss(
+        torch.where(valid, loss_mat, torch.zeros_like(loss_mat)), mask, agg_mode,
+        num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant,
+    )
+    stats = {
+        "vf_clip_frac": clip_frac.detach(),
+        "vpred_mean": masked_mean(values.detach(), valid),
+        "value_mse": masked_mean(err.detach(), valid),
+    }
+    return loss, stats
+
+
+def ptx_loss(
+    logp_or_logits, mask, labels=None, *, agg_mode="token-mean",
+    num_tokens=None, num_seqs=None, norm_constant=None,
+):
+    """PPO-ptx (Ouyang et al. 2022): L_ptx = -mean_t log pi_theta(x_t) on pretraining text.
+
+    Pass per-token log-probs [B, T], or logits [B, T, V] with ``labels`` [B, T]. The caller
+    scales it by the ptx coefficient (gamma in InstructGPT) and adds it to the RL loss.
+    """
+    if labels is not None:
+        logp = logprobs_from_logits(logp_or_logits, labels)
+    else:
+        logp = logp_or_logits
+        if logp.dim() != 2:
+            raise ValueError(
+                f"ptx_loss takes log-probs [B, T] (or logits [B, T, V] with labels); got shape "
+                f"{tuple(logp.shape)} without labels"
+            )
+    check_shape("mask", mask, logp.shape, "log-probs")
+    check_finite("ptx log-probs", logp, mask)
+    return aggregate_loss(
+        -logp, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant
+    )

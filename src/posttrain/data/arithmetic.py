@@ -1,0 +1,164 @@
+"""Procedurally generated multi-digit addition with written carries.
+
+A problem is a list of operands, e.g. ``[347, 185]``; its prompt is ``"347+185="``.
+Two solution styles:
+
+* ``concise``: the sum alone, ``"532"``.
+* ``verbose``: one step per column, least significant first, each step adding the
+  column's digits and the carry from the step before, then ``>`` and the sum:
+  ``"7+5=12,4+8+1=13,3+1+1=5>532"``. Missing digits of shorter operands are written 0.
+
+Every problem is assigned to exactly one split by a stable hash of its prompt, so
+train / validation / test never share a problem however many are drawn. Problem ``i`` of
+a split is a pure function of ``(seed, split, i)``: streams are reproducible and can
+resume at any index.
+
+Verifiers: :func:`verify_answer` checks the final answer, :func:`verify_steps` checks
+each written column step (used by process rewards).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass, field
+
+SPLITS = ("train", "validation", "test")
+STYLES = ("concise", "verbose")
+ALPHABET = "0123456789+=,>"  # every character a prompt or a solution can contain
+
+STEP_SEPARATOR = ","
+ANSWER_MARKER = ">"
+
+
+@dataclass(frozen=True)
+class Problem:
+    operands: tuple[int, ...]
+
+    @property
+    def prompt(self) -> str:
+        return "+".join(str(x) for x in self.operands) + "="
+
+    @property
+    def answer(self) -> int:
+        return sum(self.operands)
+
+    def solution(self, style: str) -> str:
+        if style == "concise":
+            return str(self.answer)
+        if style == "verbose":
+            steps = [_format_step(digits, carry, total) for digits, carry, total in column_steps(self.operands)]
+            return STEP_SEPARATOR.join(steps) + ANSWER_MARKER + str(self.answer)
+        raise ValueError(f"unknown solution style {style!r}; choose one of {STYLES}")
+
+
+def column_steps(operands: tuple[int, ...]) -> list[tuple[list[int], int, int]]:
+    """The written-carry columns: (digits of the column, carry in, column total)."""
+    width = max(len(str(x)) for x in operands)
+    steps, carry = [], 0
+    for column in range(width):
+        digits = [(x // 10**column) % 10 for x in operands]
+        total = sum(digits) + carry
+        steps.append((digits, carry, total))
+        carry = total // 10
+    return steps
+
+
+def _format_step(digits: list[int], carry: int, total: int) -> str:
+    terms = [str(d) for d in digits] + ([str(carry)] if carry else [])
+    return "+".join(terms) + "=" + str(total)
+
+
+def split_of(prompt: str, fractions: tuple[float, float, float] = (0.9, 0.05, 0.05)) -> str:
+    """Stable hash bucket of a prompt: the split it belongs to, for every seed and run."""
+    bucket = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big") / 2**64
+    cumulative = 0.0
+    for split, fraction in zip(SPLITS, fractions):
+        cumulative += fraction
+        if bucket < cumulative:
+            return split
+    return SPLITS[-1]
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Difficulty knobs: operand digit range and the number of operands."""
+
+    min_digits: int = 3
+    max_digits: int = 3
+    num_operands: int = 2
+    seed: int = 0
+    split_fractions: tuple[float, float, float] = field(default=(0.9, 0.05, 0.05))
+
+    def __post_init__(self):
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
+        if self.num_operands < 2:
+            raise ValueError(f"num_operands must be >= 2, got {self.num_operands}")
+        if abs(sum(self.split_fractions) - 1.0) > 1e-9 or min(self.split_fractions) <= 0:
+            raise ValueError(f"split_fractions must be positive and sum to 1, got {self.split_fractions}")
+
+    def problem(self, split: str, index: int) -> Problem:
+        """Problem ``index`` of ``split``: drawn by rejection from a (seed, split, index) RNG."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+        rng = random.Random(f"{self.seed}/{split}/{index}/{self.min_digits}-{self.max_digits}x{self.num_operands}")
+        while True:
+            operands = []
+            for _ in range(self.num_operands):
+                digits = rng.randint(self.min_digits, self.max_digits)
+                low = 0 if digits == 1 else 10 ** (digits - 1)
+                operands.append(rng.randrange(low, 10**digits))
+            problem = Problem(tuple(operands))
+            if split_of(problem.prompt, self.split_fractions) == split:
+                return problem
+
+    def problems(self, split: str, count: int, start: int = 0) -> list[Problem]:
+        return [self.problem(split, i) for i in range(start, start + count)]
+
+
+# --- verifiers -------------------------------------------------------------------------
+
+_INT = re.compile(r"^\d+$")
+
+
+def extract_answer(response: str) -> str:
+    """The final-answer part of a response in either style."""
+    return response.rsplit(ANSWER_MARKER, 1)[-1].strip()
+
+
+def parse_prompt(prompt: str) -> tuple[int, ...]:
+    """Operands of a prompt ``"a+b+...="``; raises ValueError on anything else."""
+    body = prompt.strip()
+    if not body.endswith("=") or not all(_INT.match(t) for t in body[:-1].split("+")):
+        raise ValueError(f"malformed arithmetic prompt {prompt!r}: expected digits joined by '+' ending in '='")
+    return tuple(int(t) for t in body[:-1].split("+"))
+
+
+def verify_answer(prompt: str, response: str) -> bool:
+    """True when the response's final answer equals the sum of the prompt's operands."""
+    answer = extract_answer(response)
+    return bool(_INT.match(answer)) and int(answer) == sum(parse_prompt(prompt))
+
+
+def verify_steps(prompt: str, response: str) -> list[bool]:
+    """Correctness of each written column step of a verbose response, in order.
+
+    A step is right when it adds exactly the column's digits plus the carry left by the
+    true previous column and states the right total. Steps beyond the last column are
+    wrong; missing steps are simply absent (the answer verifier catches the result).
+    """
+    operands = parse_prompt(prompt)
+    body = response.split(ANSWER_MARKER, 1)[0]
+    written = [s for s in body.split(STEP_SEPARATOR)] if body else []
+    truth = [_format_step(d, c, t) for d, c, t in column_steps(operands)]
+    return [k < len(truth) and step.strip() == truth[k] for k, step in enumerate(written)]
+
+
+def matches_style(response: str, style: str) -> bool:
+    """Format check: does the response have the shape of the given solution style."""
+    if style == "concise":
+        return bool(_INT.match(response.strip()))
+    step = r"\d+(\+\d+)+=\d+"
+    return re.fullmatch(rf"{step}({STEP_SEPARATOR}{step})*{ANSWER_MARKER}\d+", response.strip()) is not None

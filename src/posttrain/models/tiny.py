@@ -1,0 +1,68 @@
+"""The embedded default: a character-level tokenizer and a tiny random-init causal LM.
+
+Both are ordinary Hugging Face objects built locally (no hub access): `save_pretrained`
+output reloads with `AutoTokenizer` / `AutoModelForCausalLM` and generates.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+
+def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """One token per character of ``alphabet`` plus pad / eos / unk specials."""
+    chars = list(dict.fromkeys(alphabet))  # de-duplicated, order kept
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK] + chars)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()  # join characters back without spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
+    )
+    return tokenizer
+
+
+def build_tiny_model(
+    vocab_size: int,
+    architecture: str = "qwen2",
+    hidden_size: int = 128,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 384,
+    max_position_embeddings: int = 256,
+    tie_word_embeddings: bool = True,
+    pad_token_id: int = 0,
+    eos_token_id: int = 1,
+    seed: int = 0,
+):
+    """A random-init Qwen2- or Llama-style causal LM of the given size (float32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    if architecture not in families:
+        raise ValueError(f"model.architecture={architecture!r} is not one of {sorted(families)}")
+    config_cls, model_cls = families[architecture]
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model.generation_config.pad_token_id = pad_token_id
+    model.generation_config.eos_token_id = eos_token_id
+    return model

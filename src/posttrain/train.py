@@ -1,0 +1,186 @@
+"""The `posttrain` entry point: a Hydra app over conf/train.yaml.
+
+    posttrain                                   # the default job
+    posttrain algorithm=sft trainer.max_steps=300
+    posttrain experiment=sft_tiny
+    posttrain -m seed=0,1,2                      # a sweep (basic launcher, or hydra/launcher=slurm)
+
+`run(cfg)` is the whole job: check the config, build source, tokenizer, policy, module,
+datamodule, logger and trainer, fit, then export the model and write summary.json.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from posttrain.errors import CheckpointError, ConfigError, PosttrainError
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def hydra_choices() -> dict[str, str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    return {k: str(v) for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")}
+
+
+def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
+    backend = cfg.logger.backend
+    if backend == "none":
+        return False
+    if backend == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(output_dir), name="csv", version="")
+    if backend == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        return WandbLogger(
+            project=cfg.logger.project, entity=cfg.logger.entity, name=run_name, group=cfg.task_name,
+            tags=list(cfg.logger.tags), save_dir=str(output_dir), mode=wandb_mode(cfg),
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+    raise ConfigError(f"logger.backend={backend!r} is not one of ['wandb', 'csv', 'none']")
+
+
+def wandb_mode(cfg: DictConfig) -> str:
+    """`logger.mode=auto`: WANDB_MODE if set, online with credentials, else offline."""
+    if cfg.logger.mode != "auto":
+        return cfg.logger.mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    netrc = Path.home() / ".netrc"
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (
+        netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
+    return "online" if has_key else "offline"
+
+
+def build_callbacks(cfg: DictConfig, output_dir: Path) -> list:
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+
+    from posttrain.callbacks import StopAtStep
+
+    callbacks = [
+        ModelCheckpoint(
+            dirpath=str(output_dir / "checkpoints"), filename="step{step:06d}", auto_insert_metric_name=False,
+            every_n_train_steps=cfg.callbacks.checkpoint.every_n_train_steps,
+            save_top_k=cfg.callbacks.checkpoint.save_top_k, save_last=True,
+        ),
+    ]
+    if cfg.callbacks.get("stop_at_step"):
+        callbacks.append(StopAtStep(cfg.callbacks.stop_at_step))
+    if cfg.callbacks.progress_bar == "rich":
+        callbacks.append(RichProgressBar(leave=True))
+    if cfg.logger.backend != "none":
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    return callbacks
+
+
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
+    if ckpt_path is None:
+        return None
+    path = output_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"ckpt_path={ckpt_path!r}: no checkpoint file at {path}")
+    return str(path)
+
+
+def run_name(choices: dict[str, str], cfg: DictConfig) -> str:
+    picked = [choices.get(g) for g in ("algorithm", "advantage", "kl_estimator") if choices.get(g) not in (None, "none")]
+    return "-".join(picked + [f"seed{cfg.seed}"]) if picked else f"{cfg.task_name}-seed{cfg.seed}"
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train as configured; returns the summary dict also written to summary.json."""
+    import lightning as L
+    import torch
+    from hydra.utils import instantiate
+
+    from posttrain.config_checks import check_config
+    from posttrain.data.datamodule import PosttrainDataModule
+    from posttrain.data.sources import build_source
+    from posttrain.models.loading import load_tokenizer_and_model
+    from posttrain.utils import save_pretrained_atomic, write_json_atomic
+
+    OmegaConf.resolve(cfg)  # groups are handed to modules on their own: no dangling interpolations
+    choices = hydra_choices()
+    check_config(cfg, choices)
+    output_dir = Path(cfg.paths.output_dir)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    source = build_source(cfg.data)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    algorithm = {k: v for k, v in cfg.algorithm.items() if k not in ("name", "kind")}
+    module = instantiate(
+        algorithm, policy=policy, tokenizer=tokenizer, source=source, rollout=cfg.rollout,
+        eval_max_new_tokens=cfg.eval.max_new_tokens, _recursive_=False,
+    )
+    datamodule = PosttrainDataModule(
+        source, tokenizer, batch_size=module.batch_size, train_collate=module.train_collate,
+        eval_split=cfg.eval.split, eval_num_prompts=cfg.eval.num_prompts,
+        eval_batch_size=cfg.eval.batch_size, seed=cfg.seed,
+    )
+    trainer = instantiate(
+        cfg.trainer, logger=build_logger(cfg, output_dir, run_name(choices, cfg)),
+        callbacks=build_callbacks(cfg, output_dir),
+    )
+
+    summary = {}
+    if cfg.eval.at_start and ckpt_path is None:
+        start_metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+        summary.update({f"{k}_start": float(v) for k, v in start_metrics.items()})
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    train_seconds = time.perf_counter() - started
+
+    summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+    summary.update(global_step=trainer.global_step, train_seconds=round(train_seconds, 2),
+                   choices=choices, run_dir=str(output_dir))
+    if trainer.is_global_zero:
+        save_pretrained_atomic(module.policy, tokenizer, output_dir / "hf_model")
+        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+        write_json_atomic(output_dir / "summary.json", summary)
+        if cfg.logger.backend == "wandb" and wandb_mode(cfg) == "offline":
+            print(f"W&B ran offline (no credentials); upload with: wandb sync {output_dir / 'wandb'}/offline-run-*")
+    return summary
+
+
+def _only_hydra_files(directory: Path) -> bool:
+    return directory.is_dir() and all(p.name in (".hydra", "train.log") for p in directory.iterdir())
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def _hydra_entry(cfg: DictConfig) -> None:
+    from omegaconf.errors import OmegaConfBaseException
+
+    from posttrain.utils import print_config_tree
+
+    try:
+        print_config_tree(cfg)
+        run(cfg)
+    except (PosttrainError, OmegaConfBaseException) as err:
+        output_dir = Path(cfg.paths.output_dir)
+        if _only_hydra_files(output_dir):  # failed before writing anything of its own
+            shutil.rmtree(output_dir, ignore_errors=True)
+        print(f"\nposttrain: error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main() -> None:
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

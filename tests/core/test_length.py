@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from posttrain.core import dapo_overlong_penalty, kimi_length_reward
+
+
+def test_kimi_length_reward_hand_values():
+    lengths = torch.tensor([100, 200, 300, 300, 50, 50, 70])
+    correct = torch.tensor([True, False, True, False, True, False, True])
+    groups = torch.tensor([4, 4, 4, 4, 8, 8, 1])  # non-contiguous ids
+    out = kimi_length_reward(lengths, correct, groups)
+    # group 4: min 100, max 300 -> lambda = [0.5, 0, -0.5, -0.5]
+    # correct -> lambda; incorrect -> min(0, lambda); group 8 equal lengths -> 0; group of one -> 0
+    assert out.tolist() == pytest.approx([0.5, 0.0, -0.5, -0.5, 0.0, 0.0, 0.0])
+    short_wrong = kimi_length_reward(torch.tensor([10, 20]), torch.tensor([False, True]), torch.tensor([0, 0]))
+    assert short_wrong.tolist() == pytest.approx([0.0, -0.5])  # wrong but short earns nothing positive
+
+
+def test_kimi_length_reward_errors():
+    with pytest.raises(ValueError, match="correct"):
+        kimi_length_reward(torch.tensor([1, 2]), torch.tensor([True]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="group_index"):
+        kimi_length_reward(torch.tensor([1, 2]), torch.tensor([True, True]), torch.tensor([0]))
+
+
+def test_dapo_overlong_penalty():
+    lengths = torch.tensor([50, 80, 90, 100, 101, 120])
+    out = dapo_overlong_penalty(lengths, max_len=100, cache_len=20)
+    assert out.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0, -1.0])
+    hard = dapo_overlong_penalty(lengths, max_len=100, cache_len=0)
+    assert hard.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0, -1.0, -1.0])
+    with pytest.raises(ValueError, match="cache_len"):
+        dapo_overlong_penalty(lengths, max_len=100, cache_len=200)

@@ -1,0 +1,81 @@
+import math
+
+import pytest
+import torch
+
+from posttrain.core import masked_mean, masked_sum, masked_var, masked_whiten
+from posttrain.core.groups import group_ids, group_max, group_mean, group_min, group_std
+
+X = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 0.0, 0.0]], dtype=torch.float64)
+M = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+
+
+def test_masked_sum_and_mean_hand_values():
+    assert masked_sum(X, M).item() == 36.0
+    assert masked_sum(X, M, dim=-1).tolist() == [6.0, 30.0]
+    assert masked_mean(X, M).item() == pytest.approx(36.0 / 5)
+    assert masked_mean(X, M, dim=-1).tolist() == [2.0, 15.0]
+    # float masks act as weights
+    w = torch.tensor([[0.5, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert masked_mean(X, w).item() == pytest.approx((0.5 + 2.0) / 1.5)
+
+
+def test_masked_mean_empty_is_zero_not_nan():
+    empty = torch.zeros_like(M)
+    assert masked_mean(X, empty).item() == 0.0
+    assert masked_mean(X, empty, dim=-1).tolist() == [0.0, 0.0]
+    rows = masked_mean(X, torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]]), dim=-1)
+    assert rows.tolist() == [1.0, 0.0]
+
+
+def test_nan_and_inf_in_padding_do_not_leak():
+    x = X.clone()
+    x[0, 3] = float("nan")
+    x[1, 2] = float("inf")
+    x.requires_grad_(True)
+    out = masked_mean(x, M)
+    assert out.item() == pytest.approx(36.0 / 5)
+    out.backward()
+    assert torch.isfinite(x.grad).all()
+    assert x.grad[0, 3] == 0 and x.grad[1, 2] == 0
+
+
+def test_masked_var_matches_torch_and_single_element_is_zero():
+    assert masked_var(X, M).item() == pytest.approx(torch.tensor([1.0, 2, 3, 10, 20]).var().item())
+    assert masked_var(X, M, unbiased=False).item() == pytest.approx(
+        torch.tensor([1.0, 2, 3, 10, 20]).var(unbiased=False).item()
+    )
+    one = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]])
+    assert masked_var(X, one).item() == 0.0
+    assert masked_var(X, torch.zeros_like(M)).item() == 0.0
+
+
+def test_masked_whiten():
+    w = masked_whiten(X, M)
+    vals = w[M]
+    assert vals.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert vals.var().item() == pytest.approx(1.0, rel=1e-6)
+    assert (w[~M] == 0).all()
+    scaled = masked_whiten(X, M, shift_mean=False)
+    assert scaled[M].mean().item() == pytest.approx(36.0 / 5)
+    const = masked_whiten(torch.full_like(X, 3.0), M)
+    assert (const == 0).all()
+    assert masked_whiten(X, torch.zeros_like(M)).abs().sum() == 0
+
+
+def test_group_statistics_non_contiguous_ids():
+    x = torch.tensor([1.0, 10.0, 2.0, 3.0, 20.0, 7.0], dtype=torch.float64)
+    gid = torch.tensor([5, 2, 5, 5, 2, 9])
+    g = group_ids(gid, 6)
+    assert g.num_groups == 3
+    assert group_mean(x, g).tolist() == [2.0, 15.0, 2.0, 2.0, 15.0, 7.0]
+    std = group_std(x, g)
+    assert std[0].item() == pytest.approx(1.0)
+    assert std[1].item() == pytest.approx(math.sqrt(50.0))
+    assert std[5].item() == 0.0  # size-1 group: defined as 0, not NaN
+    assert group_min(x, g).tolist() == [1.0, 10.0, 1.0, 1.0, 10.0, 7.0]
+    assert group_max(x, g).tolist() == [3.0, 20.0, 3.0, 3.0, 20.0, 7.0]
+    with pytest.raises(ValueError, match="group_index"):
+        group_ids(torch.tensor([0, 1]), 3)
+    with pytest.raises(ValueError, match="integer"):
+        group_ids(torch.tensor([0.0, 1.0, 1.0]), 3)
