@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+import hashlib
+
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from posttrain.errors import CheckpointError, ConfigError, PosttrainError
 
@@ -121,12 +123,11 @@ def run(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     source = build_source(cfg.data)
+    start_dir = warm_start(cfg)
+    if start_dir is not None:
+        cfg.model.init_from = start_dir
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
-    algorithm = {k: v for k, v in cfg.algorithm.items() if k not in ("name", "kind")}
-    module = instantiate(
-        algorithm, policy=policy, tokenizer=tokenizer, source=source, rollout=cfg.rollout,
-        eval_max_new_tokens=cfg.eval.max_new_tokens, _recursive_=False,
-    )
+    module = build_module(cfg, policy, tokenizer, source)
     datamodule = PosttrainDataModule(
         source, tokenizer, batch_size=module.batch_size, train_collate=module.train_collate,
         eval_split=cfg.eval.split, eval_num_prompts=cfg.eval.num_prompts,
@@ -147,14 +148,81 @@ def run(cfg: DictConfig) -> dict:
 
     summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     summary.update(global_step=trainer.global_step, train_seconds=round(train_seconds, 2),
-                   choices=choices, run_dir=str(output_dir))
+                   choices=choices, run_dir=str(output_dir), warm_start=start_dir)
     if trainer.is_global_zero:
         save_pretrained_atomic(module.policy, tokenizer, output_dir / "hf_model")
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
         write_json_atomic(output_dir / "summary.json", summary)
+        print_before_after(summary)
         if cfg.logger.backend == "wandb" and wandb_mode(cfg) == "offline":
             print(f"W&B ran offline (no credentials); upload with: wandb sync {output_dir / 'wandb'}/offline-run-*")
     return summary
+
+
+def build_module(cfg: DictConfig, policy, tokenizer, source):
+    """Instantiate `algorithm._target_` with the pieces every module gets, plus the
+    component groups (KL, advantage, reward, curriculum) for online algorithms."""
+    from hydra.utils import instantiate
+
+    algorithm = {k: v for k, v in cfg.algorithm.items() if k not in ("name", "kind", "warm_start")}
+    components = {}
+    if cfg.algorithm.kind == "online":
+        components = dict(kl_estimator=cfg.kl_estimator, advantage=cfg.advantage, reward=cfg.reward,
+                          data_curriculum=cfg.data_curriculum, cache_dir=cfg.paths.cache_dir, seed=cfg.seed)
+    return instantiate(algorithm, policy=policy, tokenizer=tokenizer, source=source, rollout=cfg.rollout,
+                       eval_max_new_tokens=cfg.eval.max_new_tokens, _recursive_=False, **components)
+
+
+def warm_start(cfg: DictConfig) -> str | None:
+    """The SFT start of an online run: trained once, then cached under paths.cache_dir keyed
+    by everything it depends on, so every run of a sweep starts from the same weights.
+    Returns its Hugging Face directory, or None when the run starts otherwise."""
+    settings = cfg.algorithm.get("warm_start")
+    if cfg.algorithm.kind != "online" or not settings or settings.steps <= 0:
+        return None
+    if cfg.model.init_from or cfg.ckpt_path:
+        return None
+    sft = OmegaConf.load(Path(CONFIG_DIR) / "algorithm" / "sft.yaml")
+    sft.optim.lr, sft.batch_size = settings.lr, settings.batch_size
+    sft_cfg = cfg.copy()
+    with open_dict(sft_cfg):
+        sft_cfg.algorithm = sft
+        for group in ("advantage", "kl_estimator", "data_curriculum"):
+            sft_cfg[group] = {"name": "none"}
+        sft_cfg.trainer.max_steps = settings.steps
+        sft_cfg.trainer.val_check_interval = settings.steps
+        sft_cfg.callbacks.checkpoint.every_n_train_steps = settings.steps
+        sft_cfg.eval.at_start = False
+        sft_cfg.logger = {"backend": "none"}
+    identity = OmegaConf.to_yaml(OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer"]))
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    target = Path(cfg.paths.cache_dir) / "warm_start" / key
+    if not (target / "hf_model").is_dir():
+        print(f"Warm start: SFT for {settings.steps} steps, cached at {target}")
+        scratch = target.with_name(f".{key}.{os.getpid()}.tmp")
+        with open_dict(sft_cfg):
+            sft_cfg.paths.output_dir = str(scratch)
+        run(sft_cfg)
+        if not target.exists():  # a concurrent job of the same sweep may have finished first
+            os.replace(scratch, target)
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return str(target / "hf_model")
+
+
+def print_before_after(summary: dict) -> None:
+    if "eval/accuracy_start" not in summary or "eval/accuracy" not in summary:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="held-out evaluation (greedy)")
+    for column in ("", "start", "end", "change"):
+        table.add_column(column, justify="right")
+    for name, scale, unit in (("accuracy", 100, " pts"), ("response_len", 1, " tok")):
+        before, after = summary[f"eval/{name}_start"], summary[f"eval/{name}"]
+        table.add_row(name, f"{before * scale:.1f}", f"{after * scale:.1f}", f"{(after - before) * scale:+.1f}{unit}")
+    Console().print(table)
 
 
 def _only_hydra_files(directory: Path) -> bool:

@@ -28,8 +28,11 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
 class PosttrainModule(L.LightningModule):
     """Base of all algorithms. Subclasses write `training_step` and call `self.evaluate`."""
 
-    def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens: int):
+    def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens: int,
+                 max_grad_norm: float | None = 1.0):
         super().__init__()
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm = float("nan")
         self.policy = policy
         self.tokenizer = tokenizer
         self.source = source
@@ -52,6 +55,11 @@ class PosttrainModule(L.LightningModule):
             optimizer, lambda step: warmup_cosine(step, self.optim.warmup_steps, total, self.optim.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # One place clips for every algorithm, automatic or manual optimisation alike.
+        limit = self.max_grad_norm if self.max_grad_norm else float("inf")
+        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), limit))
 
     # --- resumable data position ------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

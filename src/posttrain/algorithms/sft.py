@@ -11,8 +11,9 @@ from posttrain.data.datamodule import collate_sft
 class SFTModule(PosttrainModule):
     train_collate = staticmethod(collate_sft)
 
-    def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, batch_size):
-        super().__init__(policy, tokenizer, source, optim, rollout, eval_max_new_tokens)
+    def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, batch_size,
+                 max_grad_norm=1.0):
+        super().__init__(policy, tokenizer, source, optim, rollout, eval_max_new_tokens, max_grad_norm)
         self.batch_size = batch_size
 
     def training_step(self, batch, batch_idx):
@@ -24,3 +25,6 @@ class SFTModule(PosttrainModule):
         self.train_batches_seen += 1
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("train/grad_norm", self.last_grad_norm)

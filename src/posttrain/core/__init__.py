@@ -39,7 +39,7 @@ from .distill import (
     reverse_kl,
     reverse_kl_sampled,
 )
-from .groups import group_ids
+from .groups import group_ids, informative_groups
 from .kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -88,6 +88,7 @@ __all__ = [
     "compute_policy_loss", "count_tokens_and_seqs", "dapo_overlong_penalty",
     "discounted_returns", "distill_divergence", "dpo_loss", "dr_grpo_advantages",
     "entropy_from_logits", "forward_kl", "gae_advantages", "generalized_jsd", "group_ids",
+    "informative_groups",
     "grpo_advantages", "gspo_loss", "gspo_sequence_log_ratio", "hinge_loss", "ipo_loss",
     "kdrl_k2_loss", "kdrl_reward_mask", "kimi_length_reward", "kl_k1", "kl_k2", "kl_k3",
     "kl_k3_unbiased", "kl_penalty", "kl_straight_through", "logprobs_from_logits",

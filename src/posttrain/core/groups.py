@@ -62,3 +62,14 @@ def group_max(x: torch.Tensor, g: GroupIndex) -> torch.Tensor:
     """[B] maximum of each sample's group."""
     init = torch.full((g.num_groups,), float("-inf"), dtype=x.dtype, device=x.device)
     return init.scatter_reduce(0, g.inverse, x, reduce="amax", include_self=True)[g.inverse]
+
+
+def informative_groups(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[B] bool: True where the sample's group has a reward spread (max > min).
+
+    Groups whose rewards all agree give zero advantage under every group baseline, so
+    they carry no policy-gradient signal (DAPO's dynamic sampling drops them).
+    """
+    g = group_ids(group_index, scores.numel())
+    scores = scores.float()
+    return group_max(scores, g) > group_min(scores, g)

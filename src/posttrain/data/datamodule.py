@@ -16,11 +16,11 @@ from torch.utils.data import DataLoader, IterableDataset
 from posttrain.data.sources import Example
 
 
-class ExampleStream(IterableDataset):
-    """Examples ``start, start+1, ...`` of a split, endlessly."""
+class ExampleCursor:
+    """A resumable position in the endless example stream of one split."""
 
-    def __init__(self, source, split: str, start: int, seed: int):
-        self.source, self.split, self.start, self.seed = source, split, start, seed
+    def __init__(self, source, split: str, seed: int, position: int = 0):
+        self.source, self.split, self.seed, self.position = source, split, seed, position
 
     def index(self, position: int) -> int:
         size = self.source.size(self.split)
@@ -30,11 +30,32 @@ class ExampleStream(IterableDataset):
         order = torch.randperm(size, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
         return int(order[offset])
 
+    def take(self, count: int) -> list[Example]:
+        examples = [self.source.example(self.split, self.index(p)) for p in range(self.position, self.position + count)]
+        self.position += count
+        return examples
+
+
+class ExampleStream(IterableDataset):
+    """Examples ``start, start+1, ...`` of a split, endlessly."""
+
+    def __init__(self, source, split: str, start: int, seed: int):
+        self.source, self.split, self.start, self.seed = source, split, start, seed
+
     def __iter__(self):
-        position = self.start
+        cursor = ExampleCursor(self.source, self.split, self.seed, self.start)
         while True:
-            yield self.source.example(self.split, self.index(position))
-            position += 1
+            yield cursor.take(1)[0]
+
+
+class StepTickets(IterableDataset):
+    """For modules that draw their own prompts (online RL): one item per training step."""
+
+    def __iter__(self):
+        step = 0
+        while True:
+            yield step
+            step += 1
 
 
 def collate_sft(examples: list[Example], tokenizer) -> dict:
@@ -82,6 +103,8 @@ class PosttrainDataModule(L.LightningDataModule):
         self.eval_examples = [source.example(eval_split, i) for i in range(count)]
 
     def train_dataloader(self) -> DataLoader:
+        if self.train_collate is None:  # the module owns its prompt stream
+            return DataLoader(StepTickets(), batch_size=None)
         batches_seen = getattr(self.trainer.lightning_module, "train_batches_seen", 0) if self.trainer else 0
         stream = ExampleStream(self.source, "train", start=batches_seen * self.batch_size, seed=self.seed)
         return DataLoader(stream, batch_size=self.batch_size,

@@ -37,6 +37,12 @@ class ArithmeticSource:
     def size(self, split: str) -> int | None:
         return None
 
+    def set_difficulty(self, **knobs) -> None:
+        """Change difficulty knobs (min_digits, max_digits, num_operands) from now on."""
+        fields = {"min_digits": self.task.min_digits, "max_digits": self.task.max_digits,
+                  "num_operands": self.task.num_operands, **knobs}
+        self.task = arithmetic.ArithmeticTask(seed=self.task.seed, **fields)
+
     def example(self, split: str, index: int) -> Example:
         problem = self.task.problem(split, index)
         return Example(problem.prompt, problem.solution(self.style), str(problem.answer))

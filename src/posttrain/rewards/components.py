@@ -1,0 +1,91 @@
+"""Built-in reward components and their registry.
+
+Each component is a small class: its constructor takes the options of its config entry
+(`reward.components.<name>`), its call scores a whole batch. The formulas of the length
+rewards live in `posttrain.core.length`; here they only get their inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from posttrain.core.length import dapo_overlong_penalty, kimi_length_reward
+from posttrain.rewards.base import RewardFunction, ScoredSample
+
+
+def verify(samples: Sequence[ScoredSample], source) -> torch.Tensor:
+    """[B] bool: the task source's verdict on each final answer."""
+    return torch.tensor([bool(source.is_correct(s.example, s.response)) for s in samples], dtype=torch.bool)
+
+
+class AccuracyReward:
+    """Verifiable outcome reward (DeepSeek-R1 "accuracy reward"): 1 if the final answer
+    is right, else 0. The composite also reads correctness from this component."""
+
+    name = "accuracy"
+
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        return verify(samples, source).to(torch.float32)
+
+
+class FormatReward:
+    """Format reward (DeepSeek-R1): `match_score` when the response has the task's
+    expected shape (`source.has_style`), else `miss_score`."""
+
+    name = "format"
+
+    def __init__(self, match_score: float = 1.0, miss_score: float = 0.0):
+        self.match_score = float(match_score)
+        self.miss_score = float(miss_score)
+
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        matched = torch.tensor([bool(source.has_style(s.response)) for s in samples], dtype=torch.bool)
+        return torch.where(matched, torch.tensor(self.match_score), torch.tensor(self.miss_score))
+
+
+class OverlongReward:
+    """DAPO soft overlong punishment on the response length in tokens.
+
+    `max_len` defaults to the generation budget, so a truncated response (length ==
+    budget) gets -1 and the ramp covers the last `cache_len` tokens before it.
+    """
+
+    name = "overlong"
+
+    def __init__(self, cache_len: int, max_len: int | None = None, *, max_new_tokens: int):
+        self.max_len = max_new_tokens if max_len is None else max_len
+        for key, value in (("cache_len", cache_len), ("max_len", self.max_len)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{key} must be an integer number of tokens, got {value!r}")
+        if not 0 <= cache_len <= self.max_len:
+            raise ValueError(f"need 0 <= cache_len <= max_len, got cache_len={cache_len}, max_len={self.max_len}")
+        self.cache_len = cache_len
+
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        lengths = torch.tensor([s.length for s in samples], dtype=torch.float32)
+        return dapo_overlong_penalty(lengths, self.max_len, self.cache_len)
+
+
+class LengthPenaltyReward:
+    """Kimi k1.5 length reward: within each prompt's group, shorter correct responses
+    earn up to +0.5, longer ones down to -0.5; wrong ones are never rewarded for length."""
+
+    name = "length_penalty"
+
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        lengths = torch.tensor([s.length for s in samples], dtype=torch.float32)
+        groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+        return kimi_length_reward(lengths, verify(samples, source), groups)
+
+
+# Config name -> constructor. Open for more: learned scorers (`reward_model`, `prm`) add
+# their entry here. A constructor that declares a `max_new_tokens` parameter is given the
+# generation budget by `build_reward`; every other parameter is a config option.
+REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
+    "accuracy": AccuracyReward,
+    "format": FormatReward,
+    "overlong": OverlongReward,
+    "length_penalty": LengthPenaltyReward,
+}
