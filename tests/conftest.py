@@ -38,3 +38,16 @@ def make_config(tmp_path):
 
 
 FAST_RUN = ("logger=none", "callbacks.progress_bar=none", "eval.num_prompts=64", "eval.batch_size=64")
+
+EASY_TASK = ("data.min_digits=2", "data.max_digits=2")
+
+
+@pytest.fixture(scope="session")
+def sft_start(tmp_path_factory) -> Path:
+    """A briefly SFT-trained tiny policy on 2-digit addition, as an HF directory (shared)."""
+    from posttrain.train import run
+
+    out = tmp_path_factory.mktemp("sft_start")
+    run(compose_config([*FAST_RUN, *EASY_TASK, "trainer.max_steps=120", "trainer.val_check_interval=120",
+                        "callbacks.checkpoint.every_n_train_steps=120", "eval.at_start=false"], out))
+    return out / "hf_model"

@@ -12,12 +12,14 @@ from conftest import FAST_RUN
 EASY = ("data.min_digits=2", "data.max_digits=2")
 
 
-def test_short_sft_run_raises_heldout_accuracy(make_config, tmp_path):
-    cfg = make_config(*FAST_RUN, *EASY, "trainer.max_steps=200", "trainer.val_check_interval=200",
-                      "callbacks.checkpoint.every_n_train_steps=200")
+def test_default_sft_run_reaches_the_issue_accuracy(make_config, tmp_path):
+    """The `sft_tiny` preset (3-digit addition) from random init to >= 90% held-out greedy
+    accuracy; about a minute on 2 CPU cores."""
+    cfg = make_config(*FAST_RUN, "experiment=sft_tiny", "trainer.val_check_interval=600",
+                      "callbacks.checkpoint.every_n_train_steps=600")
     summary = run(cfg)
     assert summary["eval/accuracy_start"] < 0.05
-    assert summary["eval/accuracy"] > summary["eval/accuracy_start"] + 0.3
+    assert summary["eval/accuracy"] >= 0.9
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["eval/accuracy"] == summary["eval/accuracy"]
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "checkpoints" / "last.ckpt").is_file()

@@ -26,6 +26,3 @@ def check_config(cfg: DictConfig, choices: dict[str, str]) -> None:
                           f"(advantage=none was chosen)")
     if cfg.trainer.max_steps is None or cfg.trainer.max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive number of steps, got {cfg.trainer.max_steps}")
-    if cfg.get("ckpt_path") is not None and cfg.get("model", {}).get("init_from") is not None:
-        raise ConfigError("ckpt_path (resume a run) and model.init_from (start weights of a new run) "
-                          "cannot both be set")

@@ -126,6 +126,8 @@ def run(cfg: DictConfig) -> dict:
     start_dir = warm_start(cfg)
     if start_dir is not None:
         cfg.model.init_from = start_dir
+    if ckpt_path is not None:
+        cfg.model.init_from = None  # resuming: every weight (policy, reference) comes from the checkpoint
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
     module = build_module(cfg, policy, tokenizer, source)
     datamodule = PosttrainDataModule(
@@ -145,8 +147,9 @@ def run(cfg: DictConfig) -> dict:
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     train_seconds = time.perf_counter() - started
-
     summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+    if module.evaluated_at_step != trainer.global_step:  # the summary always holds the final model's eval
+        summary.update({k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()})
     summary.update(global_step=trainer.global_step, train_seconds=round(train_seconds, 2),
                    choices=choices, run_dir=str(output_dir), warm_start=start_dir)
     if trainer.is_global_zero:
@@ -164,6 +167,7 @@ def build_module(cfg: DictConfig, policy, tokenizer, source):
     component groups (KL, advantage, reward, curriculum) for online algorithms."""
     from hydra.utils import instantiate
 
+    OmegaConf.resolve(cfg)  # the groups are handed over on their own: no dangling interpolations
     algorithm = {k: v for k, v in cfg.algorithm.items() if k not in ("name", "kind", "warm_start")}
     components = {}
     if cfg.algorithm.kind == "online":
@@ -194,7 +198,9 @@ def warm_start(cfg: DictConfig) -> str | None:
         sft_cfg.callbacks.checkpoint.every_n_train_steps = settings.steps
         sft_cfg.eval.at_start = False
         sft_cfg.logger = {"backend": "none"}
-    identity = OmegaConf.to_yaml(OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer"]))
+    identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer"])
+    identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
+    identity = OmegaConf.to_yaml(identity_cfg)
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = Path(cfg.paths.cache_dir) / "warm_start" / key
     if not (target / "hf_model").is_dir():

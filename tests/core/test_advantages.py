@@ -95,10 +95,78 @@ def test_reinforce_pp_baseline():
     adv, _ = compute_advantages("reinforce_pp_baseline", r, mask, GROUPS)
     centred = torch.tensor([-1.0, 0.0, 0.0, 1.0, 0.0, 0.0], dtype=D)
     tok = centred.unsqueeze(-1).expand(mask.shape)
-    vals = tok[mask]
-    expected = (vals - vals.mean()) / torch.sqrt(vals.var() + 1e-8)
-    torch.testing.assert_close(adv[mask], expected)
-    torch.testing.assert_close(adv, masked_whiten(torch.where(mask, tok, 0.0), mask))
+    vals = tok[mask]  # whitening statistics: every valid token of the batch (16 tokens)
+    expected = ((tok - vals.mean()) / torch.sqrt(vals.var() + 1e-8)).masked_fill(~mask, 0.0)
+    # the token-weighted mean of the centred values is (-1 * 2 + 1 * 1) / 16 != 0 (lengths 2 and 1)...
+    assert vals.mean().item() == pytest.approx(-1 / 16)
+    # ...so plain whitening would push the zero-variance group (rows 1, 4) and the group of one
+    # (row 5) by -mean/std; they carry no relative signal and are explicitly 0
+    degenerate = torch.tensor([False, True, False, False, True, True])
+    expected[degenerate] = 0.0
+    torch.testing.assert_close(adv, expected)
+    assert (adv[degenerate] == 0).all() and (adv[~degenerate][mask[~degenerate]] != 0).all()
+    plain = masked_whiten(torch.where(mask, tok, 0.0), mask)
+    torch.testing.assert_close(adv[~degenerate], plain[~degenerate])
+    assert (plain[degenerate][mask[degenerate]] != 0).all()  # what the explicit zeroing prevents
+
+
+def test_reinforce_pp_whitens_over_the_whole_batch_ignoring_groups():
+    g = torch.Generator().manual_seed(4)
+    r = torch.randn(5, 6, dtype=D, generator=g)
+    mask = torch.arange(6) < torch.tensor([6, 3, 1, 0, 4]).unsqueeze(1)
+    a1, _ = compute_advantages("reinforce_pp", r, mask, torch.tensor([0, 0, 1, 1, 2]), gamma=0.9)
+    a2, _ = compute_advantages("reinforce_pp", r, mask, torch.tensor([0, 1, 2, 3, 4]), gamma=0.9)
+    torch.testing.assert_close(a1, a2)
+    vals = a1[mask]
+    assert vals.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert vals.std().item() == pytest.approx(1.0, rel=1e-6)  # unbiased std over all 14 valid tokens
+
+
+@pytest.mark.parametrize("name", ["group_norm", "group_mean", "rloo", "reinforce_pp_baseline", "prm_step"])
+def test_zero_variance_group_is_exactly_zero_with_inexact_floats(name):
+    """Scores 0.1 x 3: their float mean (and RLOO's leave-one-out mean) is not exactly 0.1."""
+    assert (0.1 + 0.1 + 0.1 - 0.1) / 2 != 0.1
+    r, mask = outcome_batch([0.1, 0.1, 0.1, 0.0, 1.0], [2, 3, 4, 2, 3])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    adv, _ = compute_advantages(name, r, mask, groups, **({"step_mask": r != 0} if name == "prm_step" else {}))
+    assert (adv[:3] == 0).all()
+    if name != "prm_step":  # group 1 has a single step (the 0.0 score is no step): 0 as well
+        assert (adv[3:][mask[3:]] != 0).all()
+
+
+def _prm_reference(r, mask, step_mask, groups, eps=EPS):
+    """Loop version: normalise all step rewards of a group together, then sum those ending at or after t."""
+    adv = torch.zeros_like(r)
+    for gid in groups.unique():
+        rows = (groups == gid).nonzero().flatten().tolist()
+        steps = [(i, t) for i in rows for t in range(r.shape[1]) if mask[i, t] and step_mask[i, t]]
+        vals = torch.tensor([r[i, t].item() for i, t in steps], dtype=D)
+        if len(steps) < 2 or vals.max() == vals.min():
+            continue
+        normed = (vals - vals.mean()) / (vals.std() + eps)  # torch std is unbiased
+        for (i, s), v in zip(steps, normed):
+            for t in range(s + 1):
+                if mask[i, t]:
+                    adv[i, t] += v
+    return adv
+
+
+def test_prm_step_matches_loop_reference_and_uses_group_not_sample_statistics():
+    g = torch.Generator().manual_seed(5)
+    B, T = 7, 8
+    r = torch.randn(B, T, dtype=D, generator=g)
+    mask = torch.arange(T) < torch.tensor([8, 6, 7, 0, 5, 8, 3]).unsqueeze(1)
+    mask[0, 2:4] = False  # a masked hole (tool output): a step ending there is ignored
+    step_mask = torch.rand(B, T, generator=g) < 0.4
+    step_mask[0, 3] = True
+    groups = torch.tensor([2, 2, 2, 2, 9, 9, 4])
+    adv, ret = compute_advantages("prm_step", r, mask, groups, step_mask=step_mask)
+    torch.testing.assert_close(adv, _prm_reference(r, mask, step_mask, groups))
+    torch.testing.assert_close(ret, adv)
+    assert adv[mask].abs().sum() > 0
+    # per-sample normalisation (one group per row) would give a different answer
+    per_sample, _ = compute_advantages("prm_step", r, mask, torch.arange(B), step_mask=step_mask)
+    assert not torch.allclose(per_sample, adv)
 
 
 def test_gae_lambda1_gamma1_equals_monte_carlo_returns_minus_values():
@@ -133,6 +201,7 @@ def test_gae_hand_recursion_and_whitening():
     adv_w, ret_w = compute_advantages("gae", r, mask, None, v, gamma=g, lam=lam)  # whiten default on
     torch.testing.assert_close(ret_w, ret)
     assert adv_w.mean().item() == pytest.approx(0.0, abs=1e-9)
+    assert adv_w.std().item() == pytest.approx(1.0, rel=1e-5)  # unbiased, over the 3 valid tokens (eps 1e-8 in var)
     # lambda = 0: one-step TD errors
     adv0, _ = gae_advantages(r, mask, None, v, gamma=g, lam=0.0, whiten=False)
     torch.testing.assert_close(adv0, torch.tensor([[d0, d1, d2]], dtype=D))

@@ -43,7 +43,7 @@ def test_policy_losses(name, mode):
     adv = ADV_SEQ if name == "gspo" else ADV_TOKEN
     kwargs = dict(agg_mode=mode, clip_low=0.2, clip_high=0.28)
     if name == "ppo_clip":
-        kwargs["dual_clip"] = 1.5  # the ratio e^0.5 = 1.65 with A < 0 hits the dual clip
+        kwargs["dual_clip"] = 1.3  # token (0, 3): ratio e^0.4 = 1.49 > 1.3 with A = -2 hits the dual clip
     if name == "cispo":
         # CISPO's IS weight is detached by design, so gradcheck runs at fixed ratios: old_logp
         # moves with logp inside the function (the finite difference then sees the same weights).
@@ -51,6 +51,9 @@ def test_policy_losses(name, mode):
     else:
         fn = lambda lp: POLICY_LOSSES[name](lp, OLD, adv, MASK, **kwargs)[0]  # noqa: E731
     assert gradcheck(fn, (_logp(),))
+    if name == "ppo_clip":  # every branch is exercised: clipped low/high, dual-clipped, unclipped
+        stats = POLICY_LOSSES[name](_logp(), OLD, adv, MASK, **kwargs)[1]
+        assert stats["dual_clip_frac"] > 0 and stats["clip_frac_low"] > 0 and stats["clip_frac_high"] > 0
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)

@@ -79,3 +79,44 @@ def test_group_statistics_non_contiguous_ids():
         group_ids(torch.tensor([0, 1]), 3)
     with pytest.raises(ValueError, match="integer"):
         group_ids(torch.tensor([0.0, 1.0, 1.0]), 3)
+
+
+def _masked_losses():
+    """Every differentiable masked loss in core as fn(x [2,3], garbage-bearing inputs) -> scalar."""
+    from posttrain.core import (
+        POLICY_LOSSES, aggregate_loss, kdrl_k2_loss, kl_penalty, ptx_loss, value_loss,
+    )
+
+    out = {f"policy/{n}": (lambda n: lambda x, o, a: POLICY_LOSSES[n](x, o, a, PAD_MASK)[0])(n) for n in POLICY_LOSSES}
+    for k in ("k1", "k2", "k3", "k3_unbiased", "k3_st"):
+        out[f"kl/{k}"] = (lambda k: lambda x, o, a: aggregate_loss(kl_penalty(k, x, o, o, mask=PAD_MASK), PAD_MASK, "token-mean"))(k)
+    out["value"] = lambda x, o, a: value_loss(x, o, a, PAD_MASK, clip_range=0.2)[0]
+    out["kdrl"] = lambda x, o, a: kdrl_k2_loss(x, o, PAD_MASK)[0]
+    out["ptx"] = lambda x, o, a: ptx_loss(x, PAD_MASK)
+    return out
+
+
+PAD_MASK = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", sorted(_masked_losses()))
+def test_padding_garbage_never_reaches_values_or_gradients(name, garbage):
+    """NaN/inf in padding of any input (here also of the differentiated one) gives the same loss and
+    gradient as clean padding, and exactly 0 gradient at padded positions."""
+    fn = _masked_losses()[name]
+    base = torch.tensor([[-1.0, -2.0, -1.5], [-0.5, -1.2, -0.7]], dtype=torch.float64)
+    other = torch.tensor([[-1.1, -1.8, -1.0], [-0.3, -1.0, -1.0]], dtype=torch.float64)
+    third = torch.tensor([[1.0, -0.5, 2.0], [-1.0, 0.3, 0.1]], dtype=torch.float64)
+    results = []
+    for fill in (0.0, garbage):
+        x = base.masked_fill(~PAD_MASK, fill).requires_grad_(True)
+        o, a = other.masked_fill(~PAD_MASK, fill), third.masked_fill(~PAD_MASK, fill)
+        loss = fn(x, o, a)
+        (grad,) = torch.autograd.grad(loss, x)
+        results.append((loss, grad))
+    (clean_loss, clean_grad), (loss, grad) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, clean_loss)
+    torch.testing.assert_close(grad, clean_grad)
+    assert (grad[~PAD_MASK] == 0).all() and grad[PAD_MASK].abs().sum() > 0

@@ -220,3 +220,66 @@ def test_registry_errors():
         ppo_clip_loss(logp, old, adv, mask, clip_low=-0.1)
     with pytest.raises(ValueError, match="advantages"):
         ppo_clip_loss(logp, old, adv[:, :1], mask)
+
+
+@pytest.mark.parametrize("a", [-2.0, -0.5, 0.5, 2.0])
+def test_dual_clip_matches_formula_on_a_ratio_grid(a):
+    """Per token: A < 0 -> l = min(max(-rA, -clip(r)A), -cA), i.e. objective max(min(rA, clip(r)A), cA);
+    A > 0 -> plain clip-higher PPO (the dual clip never applies). Ratios avoid every kink."""
+    c = 3.0
+    r = torch.tensor([0.3, 0.7, 0.9, 1.1, 1.2, 1.5, 2.0, 3.5, 6.0], dtype=D)
+    logp = r.log().unsqueeze(0).requires_grad_(True)
+    n = r.numel()
+    loss, stats = ppo_clip_loss(
+        logp, torch.zeros(1, n, dtype=D), torch.full((1, n), a, dtype=D), torch.ones(1, n),
+        clip_low=0.2, clip_high=0.28, dual_clip=c, agg_mode="seq-mean-token-sum",
+    )
+    clipped = r.clamp(0.8, 1.28)
+    if a < 0:
+        per_token = torch.minimum(torch.maximum(-r * a, -clipped * a), torch.tensor(-c * a, dtype=D))
+        objective = torch.maximum(torch.minimum(r * a, clipped * a), torch.tensor(c * a, dtype=D))
+        torch.testing.assert_close(per_token, -objective)
+        live = (r > 0.8) & (r < c)  # below 1 - eps_low: clipped; above c: dual-clipped
+        assert stats["dual_clip_frac"].item() == pytest.approx(2 / n)  # 3.5 and 6.0
+    else:
+        per_token = -torch.minimum(r * a, clipped * a)
+        live = r < 1.28
+        assert stats["dual_clip_frac"].item() == 0.0
+    assert loss.item() == pytest.approx(per_token.sum().item())
+    loss.backward()
+    torch.testing.assert_close(logp.grad[0], torch.where(live, -a * r, torch.zeros_like(r)))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_policy_loss_micro_batches_with_global_counts(name, mode):
+    """Gradient accumulation: the sum of micro-batch losses with global counts is the full-batch loss."""
+    from posttrain.core import count_tokens_and_seqs
+
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 5
+    lengths = torch.tensor([5, 2, 0, 4, 1, 3])
+    mask = torch.arange(T) < lengths.unsqueeze(1)
+    old = torch.randn(B, T, dtype=D, generator=g) * 0.5 - 1
+    logp = (old + torch.randn(B, T, dtype=D, generator=g) * 0.3).requires_grad_(True)
+    adv = torch.randn(B, 1, dtype=D, generator=g).expand(B, T).clone()
+    seq_mask = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0], dtype=D)
+    n_tok, n_seq = count_tokens_and_seqs(mask)
+    kw = dict(agg_mode=mode, norm_constant=T, seq_mask=seq_mask)
+    full, _ = compute_policy_loss(name, logp, old, adv, mask, **kw)
+    total = sum(
+        compute_policy_loss(name, logp[idx], old[idx], adv[idx], mask[idx], num_tokens=n_tok, num_seqs=n_seq,
+                            **{**kw, "seq_mask": seq_mask[idx]})[0]
+        for idx in ([0, 1], [2, 3], [4, 5])
+    )
+    torch.testing.assert_close(total, full)
+    (g_full,) = torch.autograd.grad(full, logp)
+    (g_micro,) = torch.autograd.grad(total, logp)
+    torch.testing.assert_close(g_micro, g_full)
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo"])
+def test_ratio_losses_need_old_logp(name):
+    logp, _, adv, mask = worked_example()
+    with pytest.raises(ValueError, match="old_logp"):
+        compute_policy_loss(name, logp, None, adv, mask)

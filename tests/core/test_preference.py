@@ -101,3 +101,29 @@ def test_missing_inputs_raise():
         preference_loss("kto", C, R, beta=0.1)
     with pytest.raises(ValueError, match="chosen_scores"):
         bradley_terry_loss(torch.tensor([float("inf")]), torch.tensor([0.0]))
+
+
+def test_simpo_gamma_is_the_reward_margin_not_gamma_over_beta():
+    """Paper form: margin gamma is subtracted as is. (gamma_beta_ratio code forms use beta * (h - gamma/beta).)"""
+    beta, gamma = 2.0, 0.5
+    kw = dict(beta=beta, chosen_len=torch.tensor([5]), rejected_len=torch.tensor([4]), gamma=gamma)
+    loss, _ = preference_loss("simpo", C, R, **kw)
+    h = (-10.0 / 5) - (-12.0 / 4)  # 1.0: difference of average log-probs
+    assert loss.item() == pytest.approx(softplus(-(beta * h - gamma)))  # softplus(-1.5)
+    assert loss.item() != pytest.approx(softplus(-beta * (h - gamma)))  # softplus(-1.0): gamma read as gamma/beta
+    # equivalently, a gamma_beta_ratio g corresponds to gamma = beta * g
+    loss_ratio, _ = preference_loss("simpo", C, R, **{**kw, "gamma": beta * 0.25})
+    assert loss_ratio.item() == pytest.approx(softplus(-beta * (h - 0.25)))
+    # the margin shifts the logit only: with gamma = the reward margin the loss is log 2
+    at_margin, _ = preference_loss("simpo", C, R, **{**kw, "gamma": beta * h})
+    assert at_margin.item() == pytest.approx(math.log(2))
+
+
+def test_dpo_is_invariant_to_a_common_shift_and_ipo_minimum():
+    """DPO depends on log-ratio differences only; IPO is minimised (0) at h = 1/(2 beta)."""
+    loss, _ = preference_loss("dpo", C, R, RC, RR, beta=0.1)
+    shifted, _ = preference_loss("dpo", C + 3, R + 3, RC + 3, RR + 3, beta=0.1)
+    assert shifted.item() == pytest.approx(loss.item())
+    beta = 0.25  # 1/(2 beta) = 2 = h of the hand pair
+    ipo, _ = preference_loss("ipo", C, R, RC, RR, beta=beta)
+    assert ipo.item() == pytest.approx(0.0, abs=1e-12)

@@ -41,6 +41,7 @@ class PosttrainModule(L.LightningModule):
         self.engine = build_rollout(rollout.engine)
         self.eval_max_new_tokens = eval_max_new_tokens
         self.train_batches_seen = 0  # restored on resume: the data stream restarts here
+        self.evaluated_at_step = -1  # global step of the last held-out evaluation
         self._eval_correct: list[float] = []
         self._eval_lengths: list[float] = []
 
@@ -89,4 +90,5 @@ class PosttrainModule(L.LightningModule):
         accuracy = sum(self._eval_correct) / len(self._eval_correct)
         length = sum(self._eval_lengths) / len(self._eval_lengths)
         self.log_dict({"eval/accuracy": accuracy, "eval/response_len": length}, prog_bar=True)
+        self.evaluated_at_step = self.trainer.global_step
         self._eval_correct, self._eval_lengths = [], []

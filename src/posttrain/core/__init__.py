@@ -57,7 +57,7 @@ from .kl import (
 )
 from .length import dapo_overlong_penalty, kimi_length_reward
 from .logprobs import entropy_from_logits, logprobs_from_logits
-from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .masked import masked_mean, masked_sum, masked_var, masked_whiten, zero_padding
 from .policy_loss import (
     POLICY_LOSSES,
     cispo_loss,
@@ -96,5 +96,5 @@ __all__ = [
     "ppo_clip_loss", "preference_loss", "prm_step_advantages", "ptx_loss",
     "reinforce_loss", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
     "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sequence_scores",
-    "set_finite_checks", "simpo_loss", "value_loss",
+    "set_finite_checks", "simpo_loss", "value_loss", "zero_padding",
 ]

@@ -71,6 +71,11 @@ def _zero_variance(scores: torch.Tensor, g: GroupIndex) -> torch.Tensor:
     return group_max(scores, g) == group_min(scores, g)
 
 
+def _degenerate(scores: torch.Tensor, g: GroupIndex) -> torch.Tensor:
+    """[B] bool: the sample's group has zero variance or a single member (no relative signal)."""
+    return _zero_variance(scores, g) | (g.counts[g.inverse] < 2)
+
+
 @torch.no_grad()
 def grpo_advantages(
     token_rewards, mask, group_index, values=None, *, eps: float = 1e-6, norm_by_std: bool = True
@@ -85,8 +90,7 @@ def grpo_advantages(
     centred = scores - group_mean(scores, g)
     if norm_by_std:
         centred = centred / (group_std(scores, g, unbiased=True) + eps)
-    degenerate = _zero_variance(scores, g) | (g.counts[g.inverse] < 2)
-    adv = torch.where(degenerate, torch.zeros_like(centred), centred)
+    adv = torch.where(_degenerate(scores, g), torch.zeros_like(centred), centred)
     adv = _broadcast(adv, valid)
     return adv, adv.clone()
 
@@ -99,13 +103,15 @@ def dr_grpo_advantages(token_rewards, mask, group_index, values=None):
 
 @torch.no_grad()
 def rloo_advantages(token_rewards, mask, group_index, values=None):
-    """RLOO (Ahmadian et al. 2024): A_i = R_i - (sum_{j != i} R_j) / (G - 1); 0 when G = 1."""
+    """RLOO (Ahmadian et al. 2024): A_i = R_i - (sum_{j != i} R_j) / (G - 1); 0 when G = 1
+    or when the group's scores are all equal (set explicitly: (sum - R_i) / (G - 1) of equal
+    floats need not round back to R_i)."""
     valid = _validate(token_rewards, mask)
     scores = sequence_scores(token_rewards, mask)
     g = _groups(group_index, valid)
     n = g.counts[g.inverse].to(scores.dtype)
     others = (group_sum(scores, g)[g.inverse] - scores) / (n - 1).clamp_min(1)
-    adv = torch.where(n > 1, scores - others, torch.zeros_like(scores))
+    adv = torch.where(_degenerate(scores, g), torch.zeros_like(scores), scores - others)
     adv = _broadcast(adv, valid)
     return adv, adv.clone()
 
@@ -144,10 +150,19 @@ def reinforce_pp_advantages(
 def reinforce_pp_baseline_advantages(
     token_rewards, mask, group_index, values=None, *, whiten_eps: float = 1e-8
 ):
-    """REINFORCE++-baseline (Hu 2025): A_i = whiten_batch(R_i - mean_G R) over valid tokens."""
+    """REINFORCE++-baseline (Hu 2025): A_i = whiten_batch(R_i - mean_G R) over valid tokens.
+
+    The whitening statistics (mean, unbiased std) are taken over every valid token of the
+    batch; afterwards samples of degenerate groups (zero variance, or a single member) are
+    set back to 0. Whitening alone would give them -mean/std, a push in the direction of the
+    length-weighted batch imbalance although they carry no relative signal.
+    """
     valid = _validate(token_rewards, mask)
+    scores = sequence_scores(token_rewards, mask)
+    g = _groups(group_index, valid)
     adv, _ = dr_grpo_advantages(token_rewards, mask, group_index)
     adv = masked_whiten(adv, valid, shift_mean=True, eps=whiten_eps)
+    adv = torch.where(_degenerate(scores, g).unsqueeze(-1), torch.zeros_like(adv), adv)
     return adv, adv.clone()
 
 

@@ -23,7 +23,7 @@ import torch
 from .aggregation import aggregate_loss
 from .checks import check_finite, check_shape, finite_checks_enabled, lookup, valid_mask
 from .kl import kl_k1, kl_k2
-from .masked import masked_mean
+from .masked import masked_mean, zero_padding
 
 DivergenceFn = Callable[..., torch.Tensor]
 _HALF = (torch.float16, torch.bfloat16)
@@ -130,6 +130,7 @@ def kdrl_k2_loss(
     check_finite("student_logp", student_logp, mask)
     check_finite("teacher_logp", teacher_logp, mask)
     valid = valid_mask(mask)
+    student_logp, teacher_logp = zero_padding(student_logp, valid), zero_padding(teacher_logp, valid)
     used = valid
     if reward_mask is not None:
         check_shape("reward_mask", reward_mask, student_logp.shape[:1], "student_logp[:, 0]")

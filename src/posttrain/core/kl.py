@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from .checks import check_finite, check_shape, lookup, valid_mask
+from .masked import zero_padding
 
 KLFn = Callable[..., torch.Tensor]
 
@@ -141,6 +142,10 @@ def kl_penalty(
         check_finite("ref_logp", ref_logp, mask)
         if old_logp is not None:
             check_finite("old_logp", old_logp, mask)
+        # Garbage in padding must not reach logp.grad (0 * d/dx of NaN is NaN): zero it first.
+        logp, ref_logp = zero_padding(logp, mask), zero_padding(ref_logp, mask)
+        if old_logp is not None:
+            old_logp = zero_padding(old_logp, mask)
     if straight_through and not name.endswith("_st"):
         fn = kl_straight_through(fn)
     kl = fn(logp, ref_logp, old_logp)

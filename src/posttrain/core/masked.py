@@ -23,6 +23,15 @@ def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
+def zero_padding(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x at valid entries, 0 at padding (``torch.where``: the gradient to padding is exactly 0).
+
+    Apply it to the *inputs* of a per-token computation, not only to its output: a NaN left in
+    padding survives a final ``where`` in the backward pass (``0 * d exp(NaN) = NaN``).
+    """
+    return torch.where(valid_mask(mask), x, torch.zeros_like(x))
+
+
 def masked_sum(
     x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, keepdim: bool = False
 ) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from .aggregation import aggregate_loss
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .kl import clamped_log_ratio
-from .masked import masked_mean
+from .masked import masked_mean, zero_padding
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -47,10 +47,20 @@ def _validate(logp, old_logp, advantages, mask, seq_mask):
         check_shape("old_logp", old_logp, logp.shape, "logp")
         check_finite("old_logp", old_logp, mask)
     valid = valid_mask(mask)
+    # Padding may hold garbage (NaN/inf): zero it on the inputs so no NaN reaches logp.grad.
+    logp, advantages = zero_padding(logp, valid), zero_padding(advantages, valid)
+    if old_logp is not None:
+        old_logp = zero_padding(old_logp, valid)
+    used = valid
     if seq_mask is not None:
         check_shape("seq_mask", seq_mask, logp.shape[:1], "logp[:, 0]")
-        valid = valid & valid_mask(seq_mask).unsqueeze(-1)
-    return valid
+        used = valid & valid_mask(seq_mask).unsqueeze(-1)
+    return logp, old_logp, advantages, used
+
+
+def _need_old(loss, old_logp):
+    if old_logp is None:
+        raise ValueError(f"policy loss {loss!r} needs old_logp (log-probs of the sampling policy)")
 
 
 def _clip_bounds(clip_low, clip_high):
@@ -94,8 +104,11 @@ def ppo_clip_loss(
     log_ratio_clamp=20.0, seq_mask=None,
 ):
     """PPO-clip (Schulman et al. 2017) with clip-higher (DAPO) and dual clip (Ye et al. 2020):
-    l_t = -min(r A, clip(r, 1-eps_low, 1+eps_high) A); if A < 0: l_t = min(l_t, -c A)."""
-    used = _validate(logp, old_logp, advantages, mask, seq_mask)
+    l_t = max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)  (= -min(r A, clip(r) A));
+    dual clip (c > 1), A < 0 only: l_t = min(max(-r A, -clip(r) A), -c A), i.e. the objective
+    is max(min(r A, clip(r) A), c A). Tokens with A >= 0 are unaffected by c."""
+    _need_old("ppo_clip", old_logp)
+    logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip!r}")
     lo, hi = _clip_bounds(clip_low, clip_high)
@@ -137,7 +150,8 @@ def gspo_loss(
     aggregates with "seq-mean-token-mean" and uses tiny clip ranges (3e-4 / 4e-4); both are
     set by the caller.
     """
-    used = _validate(logp, old_logp, advantages, mask, seq_mask)
+    _need_old("gspo", old_logp)
+    logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
     if dual_clip is not None:
         raise ValueError("dual_clip applies to 'ppo_clip' only; set it to None for 'gspo'")
     lo, hi = _clip_bounds(clip_low, clip_high)
@@ -166,7 +180,8 @@ def cispo_loss(
     bounds only the upper side (its eps_low is effectively infinite): pass ``clip_low=None``
     for that; a number clips both sides. The paper aggregates with "token-mean".
     """
-    used = _validate(logp, old_logp, advantages, mask, seq_mask)
+    _need_old("cispo", old_logp)
+    logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
     if dual_clip is not None:
         raise ValueError("dual_clip applies to 'ppo_clip' only; set it to None for 'cispo'")
     lo, hi = _clip_bounds(clip_low, clip_high)
@@ -190,7 +205,7 @@ def reinforce_loss(
 
     ``old_logp`` may be None; when given it only feeds the ratio statistics.
     """
-    used = _validate(logp, old_logp, advantages, mask, seq_mask)
+    logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
     if dual_clip is not None:
         raise ValueError("dual_clip applies to 'ppo_clip' only; set it to None for 'reinforce'")
     loss_mat = -advantages.detach() * logp

@@ -112,7 +112,10 @@ def simpo_loss(
 ):
     """SimPO (Meng et al. 2024): -log sigma(beta/|y_w| log pi_w - beta/|y_l| log pi_l - gamma).
 
-    Reference-free (ref log-probs are ignored); ``gamma`` is the target reward margin.
+    Reference-free (ref log-probs are ignored). ``gamma`` is the paper's target reward margin
+    gamma, in reward units: it is subtracted as is, *not* multiplied by beta. (The SimPO and
+    TRL code bases take ``gamma_beta_ratio`` = gamma / beta instead; convert with
+    gamma = beta * gamma_beta_ratio.)
     """
     _validate_pair(chosen_logp, rejected_logp)
     if chosen_len is None or rejected_len is None:

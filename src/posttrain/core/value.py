@@ -7,7 +7,7 @@ import torch
 from .aggregation import aggregate_loss
 from .checks import check_finite, check_shape, valid_mask
 from .logprobs import logprobs_from_logits
-from .masked import masked_mean
+from .masked import masked_mean, zero_padding
 
 
 def value_loss(
@@ -26,7 +26,8 @@ def value_loss(
     for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
         check_finite(name, x, mask)
     valid = valid_mask(mask)
-    target = returns.detach()
+    values, old_values = zero_padding(values, valid), zero_padding(old_values, valid)
+    target = zero_padding(returns.detach(), valid)
     err = (values - target) ** 2
     if clip_range is None:
         loss_mat = 0.5 * err
@@ -72,5 +73,6 @@ def ptx_loss(
     check_shape("mask", mask, logp.shape, "log-probs")
     check_finite("ptx log-probs", logp, mask)
     return aggregate_loss(
-        -logp, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant
+        -zero_padding(logp, mask), mask, agg_mode,
+        num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant,
     )

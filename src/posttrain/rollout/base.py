@@ -1,0 +1,268 @@
+"""Common interface of the generation engines: sampling settings, the rollout batch, and
+the one logits processor both engines share.
+
+Which distribution ``RolloutBatch.logprobs`` refers to
+------------------------------------------------------
+``logprobs[b, t] = log_softmax(logits_t / temperature)[token]`` over the FULL vocabulary,
+i.e. temperature applied, top-k / top-p NOT applied.  This is what verl/TRL recompute as
+"old" log-probs during training (they never truncate the vocabulary), so a fresh policy
+forward at the same weights reproduces them and the PPO ratio starts at exactly 1.  When
+top-k/top-p are on, the token was actually drawn from the renormalised truncated
+distribution; training can recover that distribution with ``sampling_mask`` (DeepSeek-V3.2
+"keep sampling mask": renormalise the new policy over the same kept support), or the
+caller can compute it directly as
+``logprobs - logsumexp(log_softmax(logits/T)[sampling_mask])``.
+Greedy decoding reports the same quantity (with ``temperature`` if > 0, else 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields
+from typing import Iterator, Optional, Protocol, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SamplingParams:
+    """How to sample.  ``top_k=0`` and ``top_p=1.0`` switch those filters off."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    return_sampling_mask: bool = False
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(
+                f"SamplingParams.temperature must be > 0 when sampling, got {self.temperature} "
+                "(use greedy=True for argmax decoding)"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature used for the reported log-probs (greedy may pass temperature=0)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class RolloutBatch:
+    """G completions per prompt, flattened to a batch of B rows (row i = prompt i // G when
+    the caller repeated each prompt G times).  Shapes: P prompt columns, T response columns.
+    """
+
+    prompt_ids: torch.Tensor  # [B, P] long, left-padded with pad_token_id
+    prompt_mask: torch.Tensor  # [B, P] long, 1 = real prompt token
+    response_ids: torch.Tensor  # [B, T] long, pad after the EOS (the EOS itself is kept)
+    response_mask: torch.Tensor  # [B, T] long, 1 = generated token, including the ending EOS
+    logprobs: torch.Tensor  # [B, T] float, log_softmax(logits / T) of the sampled token; 0 on padding
+    truncated: torch.Tensor  # [B] bool, True = hit max_new_tokens without EOS
+    sampling_mask: Optional[torch.Tensor] = None  # [B, T, V] bool, tokens kept by top-k/top-p
+
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)
+
+    def to(self, device) -> "RolloutBatch":
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
+        return RolloutBatch(**moved)
+
+
+class RolloutEngine(Protocol):
+    def generate(
+        self,
+        model: nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        eos_token_id: int | Sequence[int],
+        pad_token_id: int,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch: ...
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def sampling_logits_processor(
+    logits: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Temperature (``logprob_temperature``), then top-k, then top-p (on the top-k-renormalised distribution), the
+    order HF and vLLM use.  Returns float32 ``processed`` logits (dropped tokens at -inf)
+    and the boolean ``keep_mask`` [B, V] (None when no filter is on, meaning "all kept").
+
+    top-k keeps exactly k tokens (ties broken by ``topk``); top-p keeps the smallest
+    prefix of the descending-sorted distribution whose mass reaches top_p, i.e. a token is
+    kept when the mass strictly before it is < top_p (so the most likely token always is).
+    """
+    scaled = logits.float()
+    if params.logprob_temperature != 1.0:
+        # also under greedy: argmax is unchanged, and top-p then means the same thing
+        scaled = scaled / params.logprob_temperature
+    vocab = scaled.shape[-1]
+    keep = None
+    if 0 < params.top_k < vocab:
+        top_idx = scaled.topk(params.top_k, dim=-1).indices
+        keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(-1, top_idx, True)
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep_sorted = mass_before < params.top_p
+        keep_sorted[..., 0] = True  # guard against rounding when top_p is tiny
+        keep_p = torch.zeros_like(keep_sorted).scatter_(-1, sorted_idx, keep_sorted)
+        # AND with top-k: a dropped token has probability 0 but, by rounding, could still
+        # see mass_before < top_p when top_p is close to 1.
+        keep = keep_p if keep is None else keep & keep_p
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    return scaled, keep
+
+
+def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row of ``probs`` [B, V] (need not sum exactly to 1) by inverting the
+    CDF with a single uniform per row.  ``torch.multinomial`` draws V exponentials per
+    row instead: ~45x slower at V=32k on CPU, and it dominated the decode step.
+
+    Zero-probability tokens are never drawn: their CDF interval is empty, and ``u`` is
+    kept strictly below the total so rounding cannot select the (maybe dropped) tail.
+    """
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+
+
+def sample_next_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One decoding step shared by the KV-cache loops: returns (token [B], logprob [B],
+    keep_mask [B, V] or None).  ``logprob`` follows the module docstring convention."""
+    processed, keep = sampling_logits_processor(logits, params)
+    if keep is None:
+        full = processed  # no filter: the processed logits ARE the full tempered logits
+    else:
+        full = logits.float() / params.logprob_temperature
+    logp = full.log_softmax(dim=-1)
+    if params.greedy:
+        token = processed.argmax(dim=-1)
+    elif keep is None:
+        token = draw_from(logp.exp(), generator)
+    else:
+        token = draw_from(processed.softmax(dim=-1), generator)
+    logprob = logp.gather(1, token[:, None]).squeeze(1)
+    return token, logprob, keep
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def eos_tensor(eos_token_id: int | Sequence[int], device) -> torch.Tensor:
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not ids:
+        raise ValueError("eos_token_id must be an int or a non-empty list of ints")
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def check_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(
+            f"prompt_ids and prompt_mask must both be [B, P]; got {tuple(prompt_ids.shape)} "
+            f"and {tuple(prompt_mask.shape)}"
+        )
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("prompts must have at least one column")
+    # Left padding is what every engine assumes: the last column must be a real token.
+    if not bool(prompt_mask[:, -1].all()):
+        raise ValueError("prompts must be left-padded: prompt_mask[:, -1] has zeros")
+
+
+def finalize_rollout(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    raw_tokens: torch.Tensor,
+    raw_logprobs: torch.Tensor,
+    max_new_tokens: int,
+    eos: torch.Tensor,
+    pad_token_id: int,
+    keep_masks: Optional[torch.Tensor] = None,
+) -> RolloutBatch:
+    """Turn what a loop sampled ([B, T'] tokens, T' <= T; anything after a row's first EOS
+    is ignored) into a RolloutBatch padded to T = max_new_tokens columns.
+
+    Doing the EOS bookkeeping once here, vectorised, keeps it out of the per-token loop.
+    """
+    batch, steps = raw_tokens.shape
+    device = raw_tokens.device
+    tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    tokens[:, :steps] = raw_tokens
+    logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    logprobs[:, :steps] = raw_logprobs
+    is_eos = torch.isin(tokens, eos)
+    is_eos[:, steps:] = False  # the pad filler may equal an EOS id
+    # a token is part of the response if no EOS came strictly before it
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
+    in_response = (eos_before == 0) & (torch.arange(max_new_tokens, device=device) < steps)
+    tokens = tokens.masked_fill(~in_response, pad_token_id)
+    logprobs = logprobs.masked_fill(~in_response, 0.0)
+    truncated = ~is_eos.any(dim=1)
+    sampling_mask = None
+    if keep_masks is not None:
+        vocab = keep_masks.shape[-1]
+        sampling_mask = torch.zeros((batch, max_new_tokens, vocab), dtype=torch.bool, device=device)
+        sampling_mask[:, :steps] = keep_masks
+        sampling_mask &= in_response[:, :, None]
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask.long(),
+        response_ids=tokens,
+        response_mask=in_response.long(),
+        logprobs=logprobs,
+        truncated=truncated,
+        sampling_mask=sampling_mask,
+    )
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Put every submodule in eval mode (no dropout) and restore each one's own flag after,
+    so a policy that was training keeps training and a frozen part stays frozen."""
+    saved = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, was_training in saved:
+            module.training = was_training
+
+
+def fork_rng_from(generator: torch.Generator | None, device) -> contextlib.AbstractContextManager:
+    """For code that can only use the global RNG (HF ``generate``): seed it from
+    ``generator`` inside a forked RNG state, so the run is reproducible from the generator
+    and the caller's global RNG stream is left untouched."""
+    if generator is None:
+        return contextlib.nullcontext()
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+    device = torch.device(device)
+    ctx = torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
+
+    @contextlib.contextmanager
+    def seeded():
+        with ctx:
+            torch.manual_seed(seed)
+            yield
+
+    return seeded()

@@ -1,0 +1,157 @@
+"""`rollout=fast`: batched KV-cache sampling with low per-token overhead.
+
+Llama/Qwen2/Mistral-family models run through ``FunctionalDecoder`` (fused weights,
+static cache; see functional.py).  Any other causal LM, or a sharded one, falls back to a
+generic loop over the HF forward with ``past_key_values``: correct, just slower.
+
+Per step the loop only samples, stores the token and its log-prob, and checks whether
+every row has produced an EOS, to stop early.  Masking and padding after EOS happen once,
+vectorised, in ``finalize_rollout``; a finished row keeps being fed its own samples until
+all rows are done (that arithmetic is paid for anyway and is discarded).
+
+``torch.compile`` of the decode step was measured on the 2-core CPU box and not kept:
+~22 s compile and a slower step than eager (see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .base import (
+    RolloutBatch,
+    SamplingParams,
+    check_prompts,
+    eos_tensor,
+    eval_mode,
+    finalize_rollout,
+    sample_next_token,
+)
+from .functional import FunctionalDecoder, unsupported_reason
+
+log = logging.getLogger(__name__)
+
+
+class FastSampler:
+    """Args:
+    use_functional: take the fused functional path when the architecture supports it
+        (False forces the generic HF-forward loop, e.g. to compare the two).
+
+    The fused weights are rebuilt on every call (~1 ms on the tiny model): caching them
+    would risk sampling from stale weights after an update that bypasses the version
+    counter (``param.data.copy_``), and their memory is freed between rollouts.
+    """
+
+    def __init__(self, use_functional: bool = True):
+        self.use_functional = use_functional
+        self._warned: set[str] = set()
+
+    def uses_functional_path(self, model: nn.Module) -> bool:
+        return self.use_functional and unsupported_reason(model) is None
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        model: nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        eos_token_id: int | Sequence[int],
+        pad_token_id: int,
+        generator: Optional[torch.Generator] = None,
+    ) -> RolloutBatch:
+        params.validate()
+        check_prompts(prompt_ids, prompt_mask)
+        eos = eos_tensor(eos_token_id, prompt_ids.device)
+        batch, plen = prompt_ids.shape
+        with eval_mode(model):
+            reason = unsupported_reason(model) if self.use_functional else "use_functional=False"
+            if reason is None:
+                decoder = FunctionalDecoder(model, batch, plen + params.max_new_tokens)
+                logits = decoder.prefill(prompt_ids, prompt_mask)
+                step = decoder.step
+            else:
+                if self.use_functional and reason not in self._warned:
+                    self._warned.add(reason)
+                    log.warning("rollout=fast: generic HF loop (slower) because %s", reason)
+                stepper = _HFStepper(model, prompt_ids, prompt_mask, params.max_new_tokens)
+                logits = stepper.prefill()
+                step = stepper.step
+            return self._sample_loop(logits, step, prompt_ids, prompt_mask, params, eos, pad_token_id, generator)
+
+    @staticmethod
+    def _sample_loop(logits, step, prompt_ids, prompt_mask, params, eos, pad_token_id, generator):
+        batch = prompt_ids.shape[0]
+        device = prompt_ids.device
+        steps_max = params.max_new_tokens
+        # [T, B] buffers so each step writes one contiguous row
+        tokens = torch.empty((steps_max, batch), dtype=torch.long, device=device)
+        logprobs = torch.empty((steps_max, batch), dtype=torch.float32, device=device)
+        keeps: list[torch.Tensor] = []
+        single_eos = int(eos[0]) if eos.numel() == 1 else None
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        # the all-done check reads a value back; on an accelerator that is a sync, so do
+        # it every few steps there (rows finished in between are masked later anyway)
+        check_every = 1 if device.type == "cpu" else 8
+        steps = 0
+        while True:
+            token, logprob, keep = sample_next_token(logits, params, generator)
+            tokens[steps] = token
+            logprobs[steps] = logprob
+            if params.return_sampling_mask:
+                keeps.append(keep if keep is not None else torch.ones_like(logits, dtype=torch.bool))
+            steps += 1
+            done |= (token == single_eos) if single_eos is not None else torch.isin(token, eos)
+            if steps == steps_max or (steps % check_every == 0 and bool(done.all())):
+                break
+            logits = step(token)
+
+        keep_masks = torch.stack(keeps, dim=1) if keeps else None
+        return finalize_rollout(
+            prompt_ids,
+            prompt_mask,
+            tokens[:steps].t(),
+            logprobs[:steps].t(),
+            steps_max,
+            eos,
+            pad_token_id,
+            keep_masks,
+        )
+
+
+class _HFStepper:
+    """Generic fallback: the HF forward with its own cache; positions from the mask, as
+    in HF ``generate``."""
+
+    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens):
+        self.model = model
+        self.prompt_ids = prompt_ids
+        batch = prompt_ids.shape[0]
+        ones = torch.ones((batch, max_new_tokens), dtype=prompt_mask.dtype, device=prompt_mask.device)
+        self.attention_mask = torch.cat([prompt_mask, ones], dim=1)
+        self.length = prompt_ids.shape[1]
+        self.position = prompt_mask.long().sum(dim=1, keepdim=True)  # next position, per row
+        self.past = None
+
+    def prefill(self) -> torch.Tensor:
+        mask = self.attention_mask[:, : self.length]
+        positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(input_ids=self.prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        self.past = out.past_key_values
+        return out.logits[:, -1]
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        self.length += 1
+        out = self.model(
+            input_ids=token[:, None],
+            attention_mask=self.attention_mask[:, : self.length],
+            position_ids=self.position,
+            past_key_values=self.past,
+            use_cache=True,
+        )
+        self.position = self.position + 1
+        self.past = out.past_key_values
+        return out.logits[:, -1]

@@ -1,0 +1,128 @@
+"""The GRPO family end to end on the embedded task: presets, metrics, curricula, resume, errors."""
+
+import json
+
+import pytest
+import torch
+
+from posttrain.data.sources import build_source
+from posttrain.errors import RewardError
+from posttrain.models.loading import load_tokenizer_and_model
+from posttrain.train import build_module, run
+
+from conftest import EASY_TASK, FAST_RUN
+
+PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+
+
+def rl_config(make_config, sft_start, *overrides, output_dir=None):
+    return make_config(*FAST_RUN, *EASY_TASK, f"model.init_from={sft_start}", "algorithm.prompts_per_step=4",
+                       "algorithm.group_size=4", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                       "callbacks.checkpoint.every_n_train_steps=2", "eval.at_start=false", *overrides,
+                       output_dir=output_dir)
+
+
+def exploding_reward(samples, source):
+    raise ZeroDivisionError("verifier bug")
+
+
+def nan_reward(samples, source):
+    return [float("nan") if "1" in s.response else 0.0 for s in samples]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_trains_and_logs_the_step_metrics(preset, make_config, sft_start):
+    summary = run(rl_config(make_config, sft_start, f"algorithm={preset}"))
+    expected = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean", "rollout/truncated_frac",
+                "rollout/frac_zero_std_groups", "policy/loss", "policy/entropy", "policy/clip_frac_low",
+                "policy/clip_frac_high", "policy/approx_kl", "policy/grad_norm", "perf/rollout_s", "perf/train_s",
+                "perf/tokens_per_s", "eval/accuracy", "eval/response_len"]
+    missing = [k for k in expected if k not in summary]
+    assert not missing, missing
+    assert summary["global_step"] == 2
+    if preset == "grpo":
+        assert "policy/kl" in summary  # k3 as a loss against the frozen reference
+
+
+def test_reference_model_is_loaded_only_when_a_kl_term_needs_it(make_config, sft_start):
+    for overrides, needs_reference in ((["algorithm=grpo"], True), (["algorithm=dapo"], False),
+                                       (["algorithm=grpo", "kl_estimator=none"], False),
+                                       (["algorithm=gspo", "kl_estimator=k1"], True)):
+        cfg = rl_config(make_config, sft_start, *overrides)
+        source = build_source(cfg.data)
+        tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+        module = build_module(cfg, policy, tokenizer, source)
+        assert (module.reference is not None) == needs_reference, overrides
+
+
+def test_component_groups_are_swappable_under_a_preset(make_config, sft_start):
+    summary = run(rl_config(make_config, sft_start, "algorithm=grpo", "kl_estimator=k1", "advantage=rloo"))
+    assert summary["choices"]["advantage"] == "rloo" and summary["choices"]["kl_estimator"] == "k1"
+    assert "policy/kl_coef" in summary
+
+
+def test_dynamic_sampling_fills_the_batch_with_informative_groups(make_config, sft_start):
+    summary = run(rl_config(make_config, sft_start, "algorithm=dapo", "data_curriculum.max_extra_rounds=6"))
+    assert "curriculum/extra_rounds" in summary and "curriculum/dropped_groups" in summary
+    if summary["curriculum/extra_rounds"] < 6:  # the cap was not hit: no flat group was trained on
+        assert summary["rollout/frac_zero_std_groups"] == 0.0
+
+
+def test_pass_rate_filter_is_computed_once_and_cached(make_config, sft_start, tmp_path):
+    overrides = ("algorithm=grpo", "data_curriculum=pass_rate_filter", "data_curriculum.pool_size=16",
+                 "data_curriculum.low=0.0", "data_curriculum.high=1.0", f"paths.cache_dir={tmp_path}/cache")
+    run(rl_config(make_config, sft_start, *overrides, output_dir=tmp_path / "a"))
+    caches = list((tmp_path / "cache").glob("pass_rates-*.json"))
+    assert len(caches) == 1
+    rates = json.loads(caches[0].read_text())["rates"]
+    assert len(rates) == 16 and all(0.0 <= r <= 1.0 for r in rates)
+    stamp = caches[0].stat().st_mtime_ns
+    run(rl_config(make_config, sft_start, *overrides, output_dir=tmp_path / "b"))
+    assert caches[0].stat().st_mtime_ns == stamp  # reused, not recomputed
+
+
+def test_difficulty_schedule_raises_the_knob(make_config, sft_start):
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "data_curriculum=difficulty_schedule",
+                    "data_curriculum.milestones=[1]", "data_curriculum.accuracy_threshold=null")
+    summary = run(cfg)
+    assert summary["curriculum/difficulty_level"] == 1.0
+
+
+def test_grpo_resume_continues_the_same_run(make_config, sft_start, tmp_path):
+    common = ("algorithm=grpo", "trainer.max_steps=4", "callbacks.checkpoint.every_n_train_steps=2",
+              "trainer.val_check_interval=100")
+    run(rl_config(make_config, sft_start, *common, output_dir=tmp_path / "straight"))
+    run(rl_config(make_config, sft_start, *common, "callbacks.stop_at_step=2", output_dir=tmp_path / "cut"))
+    run(rl_config(make_config, sft_start, *common, f"ckpt_path={tmp_path}/cut/checkpoints/last.ckpt",
+                  output_dir=tmp_path / "resumed"))
+    straight = torch.load(tmp_path / "straight/checkpoints/last.ckpt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=False)
+    assert resumed["global_step"] == straight["global_step"] == 4
+    assert resumed["curriculum"] == straight["curriculum"]
+    for name, tensor in straight["state_dict"].items():
+        assert torch.allclose(tensor, resumed["state_dict"][name], atol=1e-6), name
+
+
+def test_raising_reward_function_stops_the_run_naming_it(make_config, sft_start):
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "+reward.components.boom.target=test_grpo.exploding_reward")
+    with pytest.raises(RewardError, match="boom"):
+        run(cfg)
+
+
+def test_nan_reward_can_be_scored_as_failure_and_counted(make_config, sft_start):
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "+reward.components.shaky.target=test_grpo.nan_reward",
+                    "reward.on_error=fail")
+    summary = run(cfg)
+    assert "rewards/shaky/errors" in summary
+    with pytest.raises(RewardError, match="shaky"):
+        run(rl_config(make_config, sft_start, "algorithm=grpo", "+reward.components.shaky.target=test_grpo.nan_reward"))
+
+
+def test_warm_start_is_trained_once_and_shared(make_config, tmp_path, capsys):
+    overrides = (*FAST_RUN, *EASY_TASK, "algorithm=grpo", "algorithm.warm_start.steps=5", "algorithm.prompts_per_step=2",
+                 "algorithm.group_size=2", "trainer.max_steps=1", "eval.at_start=false", f"paths.cache_dir={tmp_path}/cache")
+    first = run(make_config(*overrides, output_dir=tmp_path / "a"))
+    second = run(make_config(*overrides, "seed=0", output_dir=tmp_path / "b"))
+    assert first["warm_start"] == second["warm_start"]
+    assert capsys.readouterr().out.count("Warm start: SFT") == 1
+    assert len(list((tmp_path / "cache" / "warm_start").iterdir())) == 1

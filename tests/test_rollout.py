@@ -1,0 +1,375 @@
+"""Behaviour of the generation engines (src/posttrain/rollout).
+
+Sizes are tiny so the whole file runs in seconds on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from posttrain.rollout import ROLLOUT_ENGINES, FastSampler, HFSampler, SamplingParams, build_rollout
+from posttrain.rollout.functional import FunctionalDecoder, unsupported_reason
+
+ENGINES = sorted(ROLLOUT_ENGINES)  # ["fast", "hf"]
+
+
+def _init(model_cls, config, seed=0):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return model_cls(config).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """The project default tiny model (Qwen2-style, tied head)."""
+    config = transformers.Qwen2Config(
+        vocab_size=32,
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=384,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    return _init(transformers.Qwen2ForCausalLM, config)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """Untied head, GQA (4 query / 2 kv heads), biases everywhere, non-default RoPE theta."""
+    config = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
+    model = _init(transformers.LlamaForCausalLM, config)
+    with torch.no_grad():  # random init zeroes biases; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """Small vocab, untied head scaled up so next-token distributions are far from uniform
+    (a distribution test on a near-uniform model would catch nothing)."""
+    config = transformers.Qwen2Config(
+        vocab_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model = _init(transformers.Qwen2ForCausalLM, config, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    return model
+
+
+def _left_padded(vocab, pads, plen, seed=0, pad_id=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (len(pads), plen), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(pads):
+        ids[row, :n] = pad_id
+        mask[row, :n] = 0
+    return ids, mask
+
+
+# ---------------------------------------------------------------- 1. functional == HF forward
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llama"])
+@pytest.mark.parametrize("pads", [(0, 3, 1, 5, 2), (0, 0, 0)])
+def test_functional_logits_match_hf_forward(arch, pads, request):
+    model = request.getfixturevalue(arch)
+    assert unsupported_reason(model) is None
+    plen, steps = 7, 6
+    vocab = model.config.vocab_size
+    prompt, prompt_mask = _left_padded(vocab, pads, plen)
+    cont = torch.randint(3, vocab, (len(pads), steps), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([prompt, cont], dim=1)
+    mask = torch.cat([prompt_mask, torch.ones_like(cont)], dim=1)
+    with torch.inference_mode():
+        ref = model(ids, attention_mask=mask).logits
+        decoder = FunctionalDecoder(model, len(pads), plen + steps)
+        prefill = decoder.prefill(prompt, prompt_mask, all_logits=True)
+        decoded = [decoder.step(cont[:, t]) for t in range(steps - 1)]
+    real = prompt_mask.bool()
+    torch.testing.assert_close(prefill[real], ref[:, :plen][real], atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.stack(decoded, 1), ref[:, plen : plen + steps - 1], atol=1e-4, rtol=0)
+
+
+def test_unsupported_architecture_uses_generic_loop_and_matches_hf_greedy():
+    config = transformers.GPT2Config(vocab_size=16, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    model = _init(transformers.GPT2LMHeadModel, config)
+    assert unsupported_reason(model) is not None
+    prompt, mask = _left_padded(16, (0, 0), 5)  # GPT-2 positions are absolute: no padding
+    params = SamplingParams(max_new_tokens=6, greedy=True)
+    fast = FastSampler().generate(model, prompt, mask, params, eos_token_id=1, pad_token_id=0)
+    hf = HFSampler().generate(model, prompt, mask, params, eos_token_id=1, pad_token_id=0)
+    assert torch.equal(fast.response_ids, hf.response_ids)
+    torch.testing.assert_close(fast.logprobs, hf.logprobs, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- 2. same distribution
+
+SAMPLES_PER_PROMPT = 6000
+DELTA = 1e-4
+
+
+def _tv_tolerance(num_categories, n, delta=DELTA):
+    """TV(empirical, true) <= E[TV] + eps with probability >= 1 - delta, where
+    E[TV] <= 0.5 * sqrt((K - 1) / n) (Cauchy-Schwarz) and McDiarmid gives
+    eps = sqrt(ln(1/delta) / (2 n)) since one sample moves TV by at most 1/n."""
+    return 0.5 * math.sqrt((num_categories - 1) / n) + math.sqrt(math.log(1 / delta) / (2 * n))
+
+
+def _exact_two_token_marginals(model, prompt, params):
+    """P(first token) and P(second token), under the processed (sampling) distribution."""
+    from posttrain.rollout import sampling_logits_processor
+
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        first_logits = model(prompt[None]).logits[0, -1]
+        p1 = sampling_logits_processor(first_logits[None], params)[0].softmax(-1)[0]
+        both = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+        second_logits = model(both).logits[:, -1]
+        p2_given_1 = sampling_logits_processor(second_logits, params)[0].softmax(-1)
+    return p1.double(), (p1[:, None] * p2_given_1).sum(0).double()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=2),
+        SamplingParams(max_new_tokens=2, temperature=0.7, top_k=4, top_p=0.8),
+    ],
+    ids=["plain", "T0.7-topk4-topp0.8"],
+)
+def test_fast_and_hf_sample_the_exact_distribution(peaked, params):
+    vocab = peaked.config.vocab_size
+    prompts = torch.tensor([[3, 5, 4], [6, 2, 7]])
+    n = SAMPLES_PER_PROMPT
+    ids = prompts.repeat_interleave(n, dim=0)
+    mask = torch.ones_like(ids)
+    tol = _tv_tolerance(vocab, n)
+    counts = {}
+    for seed, name in enumerate(ENGINES):
+        out = build_rollout(name).generate(
+            peaked, ids, mask, params, eos_token_id=99, pad_token_id=0, generator=torch.Generator().manual_seed(seed)
+        )
+        assert out.truncated.all()  # EOS 99 is never produced
+        counts[name] = out.response_ids
+    for p, prompt in enumerate(prompts):
+        exact = _exact_two_token_marginals(peaked, prompt, params)
+        rows = slice(p * n, (p + 1) * n)
+        for position in (0, 1):
+            freqs = {}
+            for name in ENGINES:
+                tokens = counts[name][rows, position]
+                freqs[name] = torch.bincount(tokens, minlength=vocab).double() / n
+                tv = 0.5 * (freqs[name] - exact[position]).abs().sum().item()
+                assert tv < tol, f"{name} prompt {p} token {position}: TV {tv:.4f} >= {tol:.4f}"
+                # a dropped token (probability exactly 0) is never sampled
+                assert (freqs[name][exact[position] == 0] == 0).all()
+            tv_engines = 0.5 * (freqs["fast"] - freqs["hf"]).abs().sum().item()
+            assert tv_engines < 2 * tol
+
+
+# ---------------------------------------------------------------- 3. logprobs
+
+
+@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_logprobs_equal_teacher_forced_recomputation(qwen, name, temperature, top_k, top_p):
+    prompt, mask = _left_padded(32, (0, 4, 2, 1), 6)
+    params = SamplingParams(max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p)
+    eos = [1, 2, 3]  # frequent enough on this model that some rows stop early
+    out = build_rollout(name).generate(qwen, prompt, mask, params, eos, pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
+    attn = torch.cat([out.prompt_mask, out.response_mask], dim=1)
+    with torch.inference_mode():
+        logits = qwen(ids, attention_mask=attn).logits[:, prompt.shape[1] - 1 : -1] / temperature
+    expected = logits.log_softmax(-1).gather(2, out.response_ids[..., None]).squeeze(2)
+    real = out.response_mask.bool()
+    torch.testing.assert_close(out.logprobs[real], expected[real], atol=1e-4, rtol=0)
+    assert (out.logprobs[~real] == 0).all()
+    assert out.logprobs.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- 4. EOS handling
+
+
+def _check_eos_layout(out, eos_ids, pad_id):
+    for row in range(out.response_ids.shape[0]):
+        ids, mask = out.response_ids[row], out.response_mask[row]
+        hits = [t for t in range(len(ids)) if mask[t] and int(ids[t]) in eos_ids]
+        if hits:
+            end = hits[0]
+            assert len(hits) == 1, "nothing after the first EOS may be in the response"
+            assert mask[: end + 1].all() and not mask[end + 1 :].any()
+            assert (ids[end + 1 :] == pad_id).all()
+            assert not out.truncated[row]
+            assert out.response_lengths()[row] == end + 1
+        else:
+            assert mask.all() and out.truncated[row]
+            assert out.response_lengths()[row] == len(ids)
+
+
+def _moderate_token(model, prompt, mask) -> int:
+    """A token (not 0) sampled with probability near 0.2 per step, so that some rows stop
+    early and others run to the limit; chosen from the model, not hard-coded, since the
+    random init differs between transformers versions."""
+    params = SamplingParams(max_new_tokens=6)
+    out = build_rollout("fast").generate(model, prompt, mask, params, -1, 0, generator=torch.Generator().manual_seed(1))
+    freq = torch.bincount(out.response_ids.flatten(), minlength=model.config.vocab_size).float()
+    freq = freq / freq.sum()
+    freq[0] = float("inf")
+    return int((freq - 0.2).abs().argmin())
+
+
+@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("pad_is_eos", [False, True], ids=["pad!=eos", "pad==eos"])
+def test_eos_stops_rows_and_pads_after(peaked, name, pad_is_eos):
+    eos = _moderate_token(peaked, *_left_padded(8, (0, 2, 1, 0) * 8, 4))
+    pad_id = eos if pad_is_eos else 0
+    prompt, mask = _left_padded(8, (0, 2, 1, 0) * 8, 4, pad_id=pad_id)
+    params = SamplingParams(max_new_tokens=6)
+    out = build_rollout(name).generate(peaked, prompt, mask, params, eos, pad_id, generator=torch.Generator().manual_seed(1))
+    assert out.response_ids.shape == (32, 6)
+    _check_eos_layout(out, {eos}, pad_id)
+    assert out.truncated.any() and not out.truncated.all(), "test needs both early stops and truncations"
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_all_rows_stopping_at_once_ends_generation_early(qwen, name):
+    prompt, mask = _left_padded(32, (0, 3), 5)
+    every_token = list(range(32))  # whatever is sampled first is an EOS
+    out = build_rollout(name).generate(qwen, prompt, mask, SamplingParams(max_new_tokens=5), every_token, 0)
+    assert out.response_ids.shape == (2, 5)
+    assert out.response_mask.tolist() == [[1, 0, 0, 0, 0]] * 2
+    assert (out.response_ids[:, 1:] == 0).all() and not out.truncated.any()
+    assert (out.logprobs[:, 1:] == 0).all() and (out.logprobs[:, 0] < 0).all()
+
+
+# ---------------------------------------------------------------- 5. greedy
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llama"])
+def test_greedy_equals_hf_greedy_generate(arch, request):
+    model = request.getfixturevalue(arch)
+    prompt, mask = _left_padded(model.config.vocab_size, (0, 3, 1, 5), 7)
+    steps = 10
+    with torch.inference_mode():
+        ref = model.generate(
+            input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0
+        )[:, prompt.shape[1] :]
+    params = SamplingParams(max_new_tokens=steps, greedy=True)
+    for engine in (FastSampler(), FastSampler(use_functional=False), HFSampler()):
+        out = engine.generate(model, prompt, mask, params, eos_token_id=999, pad_token_id=0)
+        assert torch.equal(out.response_ids, ref), type(engine).__name__
+        assert out.truncated.all()
+
+
+# ---------------------------------------------------------------- 6. sampling mask
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_sampling_mask_top_k_counts_and_contains_sample(qwen, name):
+    prompt, mask = _left_padded(32, (0, 2, 4, 1), 6)
+    params = SamplingParams(max_new_tokens=8, top_k=5, return_sampling_mask=True)
+    out = build_rollout(name).generate(qwen, prompt, mask, params, [1, 2], 0, generator=torch.Generator().manual_seed(2))
+    smask = out.sampling_mask
+    assert smask.shape == (4, 8, 32) and smask.dtype == torch.bool
+    real = out.response_mask.bool()
+    assert (smask.sum(-1)[real] == 5).all()
+    assert not smask[~real].any()
+    picked = smask.gather(2, out.response_ids[..., None]).squeeze(2)
+    assert picked[real].all()
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_sampling_mask_top_p_is_the_smallest_nucleus(qwen, name):
+    prompt, mask = _left_padded(32, (0, 3), 6)
+    params = SamplingParams(max_new_tokens=6, temperature=0.5, top_p=0.6, return_sampling_mask=True)
+    out = build_rollout(name).generate(qwen, prompt, mask, params, 999, 0, generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
+    attn = torch.cat([out.prompt_mask, out.response_mask], dim=1)
+    with torch.inference_mode():
+        probs = (qwen(ids, attention_mask=attn).logits[:, prompt.shape[1] - 1 : -1] / 0.5).softmax(-1)
+    kept_mass = (probs * out.sampling_mask).sum(-1)
+    smallest_kept = probs.masked_fill(~out.sampling_mask, 2.0).min(-1).values
+    assert (kept_mass >= 0.6 - 1e-5).all()
+    assert (kept_mass - smallest_kept < 0.6 + 1e-5).all()
+    assert out.sampling_mask.gather(2, out.response_ids[..., None]).all()
+
+
+def test_no_sampling_mask_unless_asked(qwen):
+    prompt, mask = _left_padded(32, (0,), 4)
+    out = FastSampler().generate(qwen, prompt, mask, SamplingParams(max_new_tokens=3, top_k=3), 1, 0)
+    assert out.sampling_mask is None
+
+
+# ---------------------------------------------------------------- 7. registry, errors, state
+
+
+def test_unknown_engine_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="rollout='vllm_typo'.*fast.*hf"):
+        build_rollout("vllm_typo")
+    assert isinstance(build_rollout("fast"), FastSampler)
+    assert isinstance(build_rollout("hf"), HFSampler)
+
+
+def test_bad_inputs_are_refused(qwen):
+    prompt, mask = _left_padded(32, (0,), 4)
+    right_padded = torch.tensor([[1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="left-padded"):
+        FastSampler().generate(qwen, prompt, right_padded, SamplingParams(max_new_tokens=2), 1, 0)
+    with pytest.raises(ValueError, match="temperature"):
+        FastSampler().generate(qwen, prompt, mask, SamplingParams(max_new_tokens=2, temperature=0.0), 1, 0)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_model_mode_is_restored_and_seeded_runs_repeat(qwen, name):
+    prompt, mask = _left_padded(32, (0, 2), 5)
+    params = SamplingParams(max_new_tokens=4)
+    engine = build_rollout(name)
+    qwen.train()
+    qwen.model.layers[0].eval()  # a mixed state must come back exactly
+    try:
+        runs = [engine.generate(qwen, prompt, mask, params, 1, 0, generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+        assert qwen.training and qwen.model.training and not qwen.model.layers[0].training
+        assert qwen.model.layers[1].training
+    finally:
+        qwen.eval()
+    assert torch.equal(runs[0].response_ids, runs[1].response_ids)
+    state = torch.random.get_rng_state()
+    engine.generate(qwen, prompt, mask, params, 1, 0, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(state, torch.random.get_rng_state()), "a seeded run must not consume the global RNG"
+
+
+def test_rollout_batch_helpers(qwen):
+    prompt, mask = _left_padded(32, (0, 1), 4)
+    out = FastSampler().generate(qwen, prompt, mask, SamplingParams(max_new_tokens=3, return_sampling_mask=True), 999, 0)
+    moved = out.to("cpu")
+    assert torch.equal(moved.response_ids, out.response_ids)
+    assert moved.response_lengths().tolist() == [3, 3]
+    assert out.prompt_ids.shape == (2, 4) and out.prompt_mask.dtype == torch.long
