@@ -126,3 +126,50 @@ def test_warm_start_is_trained_once_and_shared(make_config, tmp_path, capsys):
     assert first["warm_start"] == second["warm_start"]
     assert capsys.readouterr().out.count("Warm start: SFT") == 1
     assert len(list((tmp_path / "cache" / "warm_start").iterdir())) == 1
+
+
+def test_on_policy_shortcut_gives_the_same_update_as_a_separate_old_forward(make_config, sft_start):
+    """With one update per batch pi_old is the current policy: passing old_logp=None (use the
+    training forward's own log-probs, detached) must give the update of an explicit old forward."""
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "kl_estimator=k3_unbiased")
+    source = build_source(cfg.data)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    module = build_module(cfg, policy, tokenizer, source)
+    exp, _ = module.collect(step=0)
+    with torch.no_grad():
+        old_logp, _ = module.logprobs(module.policy, exp)
+        ref_logp, _ = module.logprobs(module.reference, exp)
+    advantages = torch.randn(len(exp.scores), 1).expand_as(exp.response_mask) * exp.response_mask
+
+    class NoStep:
+        def zero_grad(self):
+            module.policy.zero_grad()
+
+        def step(self):
+            pass
+
+    module.manual_backward = lambda loss: loss.backward()
+    grads = []
+    for old in (old_logp, None):
+        stats = module.minibatch_step(exp, old, advantages, ref_logp, NoStep())
+        grads.append([p.grad.clone() for p in module.policy.parameters()])
+        assert stats["policy/ratio_mean"] == pytest.approx(1.0)
+    for explicit, shortcut in zip(*grads):
+        torch.testing.assert_close(shortcut, explicit, atol=1e-6, rtol=1e-5)
+
+
+def test_trimming_trailing_padding_changes_no_logprob(make_config, sft_start):
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "rollout.max_new_tokens=12")
+    source = build_source(cfg.data)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    module = build_module(cfg, policy, tokenizer, source)
+    exp, _ = module.collect(step=0)
+    trimmed = exp.without_trailing_padding()
+    width = trimmed.response_ids.shape[1]
+    assert width == int(exp.response_mask.sum(dim=1).max()) < exp.response_ids.shape[1]
+    assert not exp.response_mask[:, width:].any()
+    with torch.no_grad():
+        full, _ = module.logprobs(module.policy, exp)
+        short, _ = module.logprobs(module.policy, trimmed)
+    real = trimmed.response_mask.bool()
+    torch.testing.assert_close(short[real], full[:, :width][real], atol=1e-5, rtol=0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -45,6 +45,14 @@ class Experience:
     correct: torch.Tensor           # [B] float, verifier accuracy (nan when no accuracy reward)
     group_index: torch.Tensor       # [B] prompt id
     sampling_mask: torch.Tensor | None = None  # [B, T, V] kept top-k/top-p support
+
+    def without_trailing_padding(self) -> "Experience":
+        """Drop the response columns that are padding in every row. Attention is causal, so
+        they never touch a real token: removing them changes no log-prob, only the cost."""
+        width = max(1, int(self.response_mask.sum(dim=1).max()))
+        per_token = ("response_ids", "response_mask", "rollout_logprobs", "sampling_mask")
+        return replace(self, **{name: getattr(self, name)[:, :width] for name in per_token
+                                if getattr(self, name) is not None})
 
     def select(self, rows: torch.Tensor) -> "Experience":
         return Experience(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
@@ -112,7 +120,7 @@ class GRPOModule(PosttrainModule):
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
         self.loss_options = dict(clip_low=clip_low, clip_high=clip_high, agg_mode=loss_agg_mode,
-                                 norm_constant=norm_constant if norm_constant else None)
+                                 norm_constant=norm_constant or rollout.max_new_tokens)  # Dr. GRPO: the budget
         if dual_clip is not None:
             self.loss_options["dual_clip"] = dual_clip
         self.policy_loss = policy_loss
@@ -237,23 +245,28 @@ class GRPOModule(PosttrainModule):
 
     def pass_rate_cache_key(self) -> str:
         first = next(self.policy.parameters())
-        return f"{self.source.__class__.__name__}|{self.seed}|{float(first.double().sum()):.8e}|{self.rollout_cfg}"
+        return f"{self.source.__class__.__name__}|{self.seed}|{float(first.detach().double().sum()):.8e}|{self.rollout_cfg}"
 
     # --- the training step -----------------------------------------------------------------
     def training_step(self, ticket, batch_idx):
         step = self.train_batches_seen
         started = time.perf_counter()
         exp, metrics = self.collect(step)
+        exp = exp.without_trailing_padding()
         rollout_seconds = time.perf_counter() - started
 
         mask = exp.response_mask
+        # With one update per batch the old policy is the current one: the training forward's
+        # own log-probs, detached, are pi_old (ratio exactly 1), so the extra forward is skipped.
+        on_policy = self.ppo_epochs == 1 and self.num_minibatches == 1
+        kl_in_reward = self.reference is not None and self.kl_placement == "in_reward"
         with torch.no_grad():
-            old_logp, _ = self.logprobs(self.policy, exp)
+            old_logp = None if on_policy and not kl_in_reward else self.logprobs(self.policy, exp)[0]
             ref_logp = self.logprobs(self.reference, exp)[0] if self.reference is not None else None
             token_rewards = torch.zeros_like(mask)
             last = (mask.sum(dim=1).long() - 1).clamp(min=0)
             token_rewards[torch.arange(len(last)), last] = exp.scores.float()
-            if ref_logp is not None and self.kl_placement == "in_reward":
+            if kl_in_reward:
                 kl = core.kl_penalty(self.kl_name, old_logp, ref_logp, old_logp)
                 token_rewards = core.apply_kl_in_reward(token_rewards, kl, self.kl_controller.value, mask)
             advantages, _ = core.compute_advantages(self.advantage_name, token_rewards, mask, exp.group_index,
@@ -291,7 +304,7 @@ class GRPOModule(PosttrainModule):
             order = torch.randperm(size, generator=generator).to(self.device)
             for start in range(0, size - minibatch + 1, minibatch):
                 rows = order[start:start + minibatch]
-                stats = self.minibatch_step(exp.select(rows), old_logp[rows], advantages[rows],
+                stats = self.minibatch_step(exp.select(rows), None if old_logp is None else old_logp[rows], advantages[rows],
                                             None if ref_logp is None else ref_logp[rows], optimizer)
                 schedule.step()
                 for k, v in stats.items():
@@ -300,6 +313,8 @@ class GRPOModule(PosttrainModule):
         return {k: v / updates for k, v in totals.items()}
 
     def minibatch_step(self, exp: Experience, old_logp, advantages, ref_logp, optimizer) -> dict[str, float]:
+        """One optimiser step over a minibatch, accumulated over micro-batches with global token
+        and sequence counts. ``old_logp=None`` means on-policy: pi_old is the current policy."""
         mask = exp.response_mask
         num_tokens, num_seqs = core.count_tokens_and_seqs(mask)
         micro = self.micro_batch_size or len(exp.scores)
@@ -309,19 +324,20 @@ class GRPOModule(PosttrainModule):
             rows = slice(start, start + micro)
             part = exp.select(torch.arange(len(exp.scores), device=self.device)[rows])
             logp, entropy = self.logprobs(self.policy, part, with_entropy=True)
+            part_old_logp = logp.detach() if old_logp is None else old_logp[rows]
             part_mask = part.response_mask
             seq_mask = None
             if self.offpolicy_mask_delta is not None:
                 seq_mask = core.offpolicy_sequence_mask(logp.detach(), part.rollout_logprobs, advantages[rows],
                                                         part_mask, self.offpolicy_mask_delta)
             loss, stats = core.compute_policy_loss(
-                self.policy_loss, logp, old_logp[rows], advantages[rows], part_mask,
+                self.policy_loss, logp, part_old_logp, advantages[rows], part_mask,
                 num_tokens=num_tokens, num_seqs=num_seqs, seq_mask=seq_mask, **self.loss_options)
             entropy_term = core.aggregate_loss(entropy, part_mask, "token-mean", num_tokens=num_tokens)
             loss = loss - self.entropy_coef * entropy_term
             stats = {f"policy/{k}": v for k, v in stats.items()}
             if ref_logp is not None:
-                kl = core.kl_penalty(self.kl_name, logp, ref_logp[rows], old_logp[rows])
+                kl = core.kl_penalty(self.kl_name, logp, ref_logp[rows], part_old_logp)
                 kl_term = core.aggregate_loss(kl, part_mask, self.loss_options["agg_mode"], num_tokens=num_tokens,
                                               num_seqs=num_seqs, norm_constant=self.loss_options["norm_constant"])
                 if self.kl_placement == "as_loss":

@@ -9,8 +9,9 @@ every row has produced an EOS, to stop early.  Masking and padding after EOS hap
 vectorised, in ``finalize_rollout``; a finished row keeps being fed its own samples until
 all rows are done (that arithmetic is paid for anyway and is discarded).
 
-``torch.compile`` of the decode step was measured on the 2-core CPU box and not kept:
-~22 s compile and a slower step than eager (see benchmarks/README.md).
+The decode step runs eagerly (no ``torch.compile``): on the tiny CPU model a compile
+costs more seconds than a whole rollout stage, and the step is already a handful of ops
+per layer. Speed against ``hf`` and the forward-only ceiling: benchmarks/rollout_speed.py.
 """
 
 from __future__ import annotations
