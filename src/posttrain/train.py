@@ -116,9 +116,6 @@ def run(cfg: DictConfig) -> dict:
     import warnings
 
     import lightning as L
-
-    for pattern in EXPECTED_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
     import torch
     from hydra.utils import instantiate
 
@@ -127,6 +124,9 @@ def run(cfg: DictConfig) -> dict:
     from posttrain.data.sources import build_source
     from posttrain.models.loading import load_tokenizer_and_model
     from posttrain.utils import save_pretrained_atomic, write_json_atomic
+
+    for pattern in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
 
     OmegaConf.resolve(cfg)  # groups are handed to modules on their own: no dangling interpolations
     choices = hydra_choices()
