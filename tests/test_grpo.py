@@ -1,12 +1,13 @@
 """The GRPO family end to end on the embedded task: presets, metrics, curricula, resume, errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from posttrain.data.sources import build_source
-from posttrain.errors import RewardError
+from posttrain.errors import ConfigError, RewardError
 from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.train import build_module, run
 
@@ -122,10 +123,29 @@ def test_warm_start_is_trained_once_and_shared(make_config, tmp_path, capsys):
     overrides = (*FAST_RUN, *EASY_TASK, "algorithm=grpo", "algorithm.warm_start.steps=5", "algorithm.prompts_per_step=2",
                  "algorithm.group_size=2", "trainer.max_steps=1", "eval.at_start=false", f"paths.cache_dir={tmp_path}/cache")
     first = run(make_config(*overrides, output_dir=tmp_path / "a"))
-    second = run(make_config(*overrides, "seed=0", output_dir=tmp_path / "b"))
+    second = run(make_config(*overrides, "seed=1", output_dir=tmp_path / "b"))  # a seed sweep shares the start
     assert first["warm_start"] == second["warm_start"]
     assert capsys.readouterr().out.count("Warm start: SFT") == 1
     assert len(list((tmp_path / "cache" / "warm_start").iterdir())) == 1
+    own = run(make_config(*overrides, "seed=1", "algorithm.warm_start.seed=null", output_dir=tmp_path / "c"))
+    assert own["warm_start"] != first["warm_start"]  # null: the warm start follows the run's seed
+
+
+def test_warm_start_can_stop_at_an_accuracy_target(make_config, tmp_path):
+    """until_accuracy ends the warm start at the first eval at or above the target; the
+    step count is then only a cap, and the target is part of the cache key."""
+    overrides = (*FAST_RUN, *EASY_TASK, "algorithm=grpo", "algorithm.warm_start.steps=400",
+                 "algorithm.warm_start.eval_every=20", "algorithm.prompts_per_step=2", "algorithm.group_size=2",
+                 "trainer.max_steps=1", "eval.at_start=false", f"paths.cache_dir={tmp_path}/cache")
+    reached = run(make_config(*overrides, "algorithm.warm_start.until_accuracy=0.05", output_dir=tmp_path / "a"))
+    start = json.loads((Path(reached["warm_start"]).parent / "summary.json").read_text())
+    assert start["eval/accuracy"] >= 0.05
+    assert start["global_step"] < 400 and start["global_step"] % 20 == 0
+    unreachable = run(make_config(*overrides, "algorithm.warm_start.steps=40", "algorithm.warm_start.until_accuracy=1.0",
+                                  output_dir=tmp_path / "b"))
+    assert json.loads((Path(unreachable["warm_start"]).parent / "summary.json").read_text())["global_step"] == 40
+    with pytest.raises(ConfigError, match="until_accuracy"):
+        run(make_config(*overrides, "algorithm.warm_start.until_accuracy=5", output_dir=tmp_path / "c"))
 
 
 def test_on_policy_shortcut_gives_the_same_update_as_a_separate_old_forward(make_config, sft_start):

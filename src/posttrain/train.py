@@ -69,7 +69,7 @@ def wandb_mode(cfg: DictConfig) -> str:
 def build_callbacks(cfg: DictConfig, output_dir: Path) -> list:
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 
-    from posttrain.callbacks import StopAtStep
+    from posttrain.callbacks import StopAtAccuracy, StopAtStep
 
     callbacks = [
         ModelCheckpoint(
@@ -80,6 +80,8 @@ def build_callbacks(cfg: DictConfig, output_dir: Path) -> list:
     ]
     if cfg.callbacks.get("stop_at_step"):
         callbacks.append(StopAtStep(cfg.callbacks.stop_at_step))
+    if cfg.callbacks.get("stop_at_accuracy") is not None:
+        callbacks.append(StopAtAccuracy(cfg.callbacks.stop_at_accuracy))
     if cfg.callbacks.progress_bar == "rich":
         callbacks.append(RichProgressBar(leave=True))
     if cfg.logger.backend != "none":
@@ -194,36 +196,53 @@ def build_module(cfg: DictConfig, policy, tokenizer, source):
 
 def warm_start(cfg: DictConfig) -> str | None:
     """The SFT start of an online run: trained once, then cached under paths.cache_dir keyed
-    by everything it depends on, so every run of a sweep starts from the same weights.
+    by everything it depends on, so every run of a sweep starts from the same weights
+    (`warm_start.seed` is its own seed, fixed by default: `seed=0,1,2` vary the RL only).
+    With `until_accuracy` it evaluates every `eval_every` steps and stops at the first
+    held-out greedy accuracy at or above the target (`steps` is then the cap): the pace of
+    the SFT learning curve varies by seed, so a step count alone lands at different points.
     Returns its Hugging Face directory, or None when the run starts otherwise."""
     settings = cfg.algorithm.get("warm_start")
     if cfg.algorithm.kind != "online" or not settings or settings.steps <= 0:
         return None
     if cfg.model.init_from or cfg.ckpt_path:
         return None
+    target_accuracy = settings.get("until_accuracy")
+    if target_accuracy is not None and not 0.0 < target_accuracy <= 1.0:
+        raise ConfigError(f"algorithm.warm_start.until_accuracy={target_accuracy} must lie in (0, 1]")
     sft = OmegaConf.load(Path(CONFIG_DIR) / "algorithm" / "sft.yaml")
     sft.optim.lr, sft.batch_size = settings.lr, settings.batch_size
     sft_cfg = cfg.copy()
     with open_dict(sft_cfg):
         sft_cfg.algorithm = sft
+        # the warm start's own seed (data order, init) so a seed sweep shares one start
+        sft_cfg.seed = cfg.seed if settings.get("seed") is None else settings.seed
+        if "seed" in sft_cfg.data:
+            sft_cfg.data.seed = sft_cfg.seed
         for group in ("advantage", "kl_estimator", "data_curriculum"):
             sft_cfg[group] = {"name": "none"}
         sft_cfg.trainer.max_steps = settings.steps
-        sft_cfg.trainer.val_check_interval = settings.steps
+        sft_cfg.trainer.val_check_interval = settings.steps if target_accuracy is None else settings.eval_every
         sft_cfg.callbacks.checkpoint.every_n_train_steps = settings.steps
+        sft_cfg.callbacks.stop_at_step = None
+        sft_cfg.callbacks.stop_at_accuracy = target_accuracy
         sft_cfg.eval.at_start = False
         sft_cfg.logger = {"backend": "none"}
-    identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer"])
+    identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer", "eval"])
+    identity_cfg.stop_at_accuracy = target_accuracy
     identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
     identity = OmegaConf.to_yaml(identity_cfg)
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = Path(cfg.paths.cache_dir) / "warm_start" / key
     if not (target / "hf_model").is_dir():
-        print(f"Warm start: SFT for {settings.steps} steps, cached at {target}")
+        goal = " for" if target_accuracy is None else f" until held-out accuracy >= {target_accuracy:.0%}, for at most"
+        print(f"Warm start: SFT{goal} {settings.steps} steps, cached at {target}")
         scratch = target.with_name(f".{key}.{os.getpid()}.tmp")
         with open_dict(sft_cfg):
             sft_cfg.paths.output_dir = str(scratch)
-        run(sft_cfg)
+        summary = run(sft_cfg)
+        print(f"Warm start: stopped at step {summary['global_step']}, "
+              f"held-out accuracy {summary.get('eval/accuracy', float('nan')):.1%}")
         if not target.exists():  # a concurrent job of the same sweep may have finished first
             os.replace(scratch, target)
         else:

@@ -342,12 +342,13 @@ class GRPOModule(PosttrainModule):
                                               num_seqs=num_seqs, norm_constant=self.loss_options["norm_constant"])
                 if self.kl_placement == "as_loss":
                     loss = loss + self.kl_controller.value * kl_term
-                stats["policy/kl"] = kl_term
+                stats["policy/kl"] = kl_term.detach()
             if seq_mask is not None:
                 stats["policy/offpolicy_masked_frac"] = 1.0 - seq_mask.float().mean()
             self.manual_backward(loss)
             share = part_mask.sum() / num_tokens  # micro-batch stats weighted by their token share
-            stats.update({"policy/loss": loss, "policy/entropy": entropy_term * num_tokens / part_mask.sum().clamp(min=1)})
+            stats.update({"policy/loss": loss.detach(),
+                          "policy/entropy": entropy_term.detach() * num_tokens / part_mask.sum().clamp(min=1)})
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * (float(share) if k not in ("policy/loss", "policy/kl") else 1.0)
         optimizer.step()  # clips first (on_before_optimizer_step)
