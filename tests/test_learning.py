@@ -1,4 +1,4 @@
-"""Learning is shown, not assumed: the headline preset end to end (slow: about 4 minutes).
+"""Learning is shown, not assumed: the headline preset end to end (slow: about 3 minutes).
 
     python -m pytest -m slow tests/test_learning.py
 """
