@@ -15,8 +15,8 @@ What makes it lean:
   is one additive key mask built once; RoPE cos/sin for every step are gathered once up
   front, at per-row positions (a prompt's continuation does not depend on how much
   padding its batch gave it; this is also what HF ``generate`` does).
-* decode attention is an explicit ``baddbmm`` (mask + scaled scores in one op), softmax,
-  ``bmm``: for a single query row this is ~2x cheaper on CPU than SDPA's kernel.  GQA needs
+* attention is an explicit ``baddbmm`` (mask + scaled scores in one op), softmax, ``bmm``:
+  for a single decode query ~2x, for a short prompt ~10x cheaper on CPU than SDPA.  GQA needs
   no ``repeat_kv`` copy: the query heads sharing a kv head act as that head's queries.
 
 The logits equal ``model(input_ids, attention_mask).logits`` (tested to 1e-4 in float32;
@@ -219,13 +219,13 @@ class FunctionalDecoder:
         positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         cos, sin = self._cos_sin(positions)  # [B, P, D]
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        has_padding = not bool(mask.all())
-        if has_padding:
-            allowed = torch.ones(plen, plen, dtype=torch.bool, device=self.device).tril() & mask[:, None, :]
-            # a pad query row would see no key at all (NaN): let it see itself
-            allowed |= torch.eye(plen, dtype=torch.bool, device=self.device)
-            attn_mask = allowed[:, None]  # [B, 1, P, P]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        allowed = torch.ones(plen, plen, dtype=torch.bool, device=self.device).tril() & mask[:, None, :]
+        # a pad query row would see no key at all (NaN): let it see itself
+        allowed |= torch.eye(plen, dtype=torch.bool, device=self.device)
+        # additive mask in the layout of the grouped attention below: [B * kv_heads, n_rep * P, P]
+        attn_bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+        attn_bias = attn_bias[:, None, None].expand(batch, hkv, self.n_rep, plen, plen).reshape(batch * hkv, -1, plen)
         nqk, nkv = (hq + hkv) * d, hkv * d
 
         h = F.embedding(prompt_ids, self.w.embed)
@@ -238,11 +238,12 @@ class FunctionalDecoder:
             v = out[..., nqk : nqk + nkv].unflatten(-1, (hkv, d)).transpose(1, 2)
             k_cache[:, :, :plen] = k
             v_cache[:, :, :plen] = v
-            if has_padding:
-                a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.n_rep > 1)
-            else:
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
-            a = a.transpose(1, 2).reshape(batch, plen, hq * d)
+            # explicit attention, the query heads of a kv head stacked as its queries (no
+            # repeat_kv): on short prompts ~10x cheaper on CPU than SDPA's flash kernel
+            scores = torch.baddbmm(attn_bias, q.reshape(batch * hkv, -1, d), k.reshape(batch * hkv, plen, d).transpose(1, 2),
+                                   alpha=self.scale)
+            a = torch.bmm(scores.softmax(dim=-1), v.reshape(batch * hkv, plen, d))
+            a = a.view(batch, hq, plen, d).transpose(1, 2).reshape(batch, plen, hq * d)
             h = h + F.linear(a, layer.w_o_t.t(), layer.b_o)
             gate, up = F.linear(_rms_norm(h, layer.norm2, layer.eps2), layer.w_gate_up, layer.b_gate_up).chunk(2, -1)
             h = h + F.linear(F.silu(gate) * up, layer.w_down_t.t(), layer.b_down)
