@@ -55,11 +55,41 @@ def llama():
         mlp_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     )
-    model = _init(transformers.LlamaForCausalLM, config)
-    with torch.no_grad():  # random init zeroes biases; make them matter
+    return _with_random_biases_and_gains(_init(transformers.LlamaForCausalLM, config))
+
+
+@pytest.fixture(scope="module")
+def llama_yarn():
+    """YaRN RoPE: scaled frequencies and an attention factor on cos/sin."""
+    config = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 500.0,
+            "factor": 4.0,
+            "attention_factor": 1.3,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    return _with_random_biases_and_gains(_init(transformers.LlamaForCausalLM, config, seed=1))
+
+
+def _with_random_biases_and_gains(model):
+    """Random init zeroes biases and sets RMSNorm gains to 1; make both matter (the
+    functional path folds the gains into the next matmul)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
+            generator = torch.Generator().manual_seed(len(name))
             if name.endswith("bias"):
-                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+                p.normal_(0.0, 0.5, generator=generator)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=generator)
     return model
 
 
@@ -96,7 +126,7 @@ def _left_padded(vocab, pads, plen, seed=0, pad_id=0):
 # ---------------------------------------------------------------- 1. functional == HF forward
 
 
-@pytest.mark.parametrize("arch", ["qwen", "llama"])
+@pytest.mark.parametrize("arch", ["qwen", "llama", "llama_yarn"])
 @pytest.mark.parametrize("pads", [(0, 3, 1, 5, 2), (0, 0, 0)])
 def test_functional_logits_match_hf_forward(arch, pads, request):
     model = request.getfixturevalue(arch)
@@ -115,6 +145,33 @@ def test_functional_logits_match_hf_forward(arch, pads, request):
     real = prompt_mask.bool()
     torch.testing.assert_close(prefill[real], ref[:, :plen][real], atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.stack(decoded, 1), ref[:, plen : plen + steps - 1], atol=1e-4, rtol=0)
+
+
+def test_functional_logits_match_hf_forward_in_bfloat16(llama):
+    """bf16 (no complex bfloat16: RoPE runs in float32 and rounds once).  Both forwards
+    round differently, so each is measured against the float32 forward of the same
+    weights: the functional path may err at most 1.5x as much as HF's own (it errs about as much)."""
+    model = _with_random_biases_and_gains(_init(transformers.LlamaForCausalLM, llama.config))
+    with torch.no_grad():  # peaked attention and logits, so positions (RoPE) move the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+        model.lm_head.weight.mul_(20.0)
+    model = model.to(torch.bfloat16)
+    prompt, prompt_mask = _left_padded(model.config.vocab_size, (0, 2, 4), 6)
+    cont = torch.randint(3, model.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(2))
+    ids = torch.cat([prompt, cont], 1)
+    mask = torch.cat([prompt_mask, torch.ones_like(cont)], 1)
+    with torch.inference_mode():
+        hf_bf16 = model(ids, attention_mask=mask).logits[:, 5:9].float()
+        decoder = FunctionalDecoder(model, 3, 10)
+        first = decoder.prefill(prompt, prompt_mask)
+        functional = torch.stack([first] + [decoder.step(cont[:, t]) for t in range(3)], 1)
+        exact = model.float()(ids, attention_mask=mask).logits[:, 5:9]
+    assert functional.dtype == torch.bfloat16
+    hf_error = (hf_bf16 - exact).abs().max()
+    assert 0 < hf_error < 0.02 * exact.abs().max()  # bf16 rounding, on logits that vary
+    assert (functional.float() - exact).abs().max() <= 1.5 * hf_error
 
 
 def test_unsupported_architecture_uses_generic_loop_and_matches_hf_greedy():

@@ -5,22 +5,29 @@ far fewer Python-level operations per token than the HF module stack: on small m
 the per-token cost of HF decoding is Python and dispatcher overhead, not arithmetic.
 What makes it lean:
 
-* q, k, v and the "rotated" q, k come out of ONE matmul: ``rotate_half`` is a signed
-  permutation of each head's output rows, so folding it into a copy of the weights is
-  exact, and RoPE becomes one in-place multiply and one ``addcmul_``.  gate and up
-  projections are one matmul too.
+* q, k and v come out of ONE matmul, and gate and up out of one more.  At decode batch
+  sizes these matmuls are bound by reading the weights, so fewer weight bytes is speed.
+* RoPE is one in-place complex multiply.  HF's ``rotate_half`` pairs dimension i of a head
+  with i + D/2; the q and k rows of each head are permuted so that those pairs sit side
+  by side, and then a pair rotated by the angle of position p is the complex number
+  (a + ib) * e^{i theta p}.  Scores q.k are unchanged because q and k share the
+  permutation (and the cache holds the permuted k, which only ever meets permuted q).
+* each RMSNorm gain (times sqrt(H)) is folded into the columns of the matmul that reads
+  the normed activations, leaving x / sqrt(||x||^2 + H eps): a norm, a ``hypot_`` and a
+  divide.
 * residual adds are fused into the o_proj / down_proj matmuls (``addmm``); SiLU and the
   gating multiply run in place.
 * a preallocated static KV cache ``[layers, B, kv_heads, P+T, head_dim]``; left padding
-  is one additive key mask built once; RoPE cos/sin for every step are gathered once up
-  front, at per-row positions (a prompt's continuation does not depend on how much
-  padding its batch gave it; this is also what HF ``generate`` does).
+  is one additive key mask built once; the rotations e^{i theta p} for every step are
+  built once up front, at per-row positions (a prompt's continuation does not depend on
+  how much padding its batch gave it; this is also what HF ``generate`` does).
 * attention is an explicit ``baddbmm`` (mask + scaled scores in one op), softmax, ``bmm``:
   for a single decode query ~2x, for a short prompt ~10x cheaper on CPU than SDPA.  GQA needs
   no ``repeat_kv`` copy: the query heads sharing a kv head act as that head's queries.
 
-The logits equal ``model(input_ids, attention_mask).logits`` (tested to 1e-4 in float32;
-RoPE is relative, so the per-row position offset of left padding only moves rounding).
+The logits equal ``model(input_ids, attention_mask).logits`` (tested to 1e-4 in float32,
+and in bfloat16 to HF's own rounding error; RoPE is relative, so the per-row position
+offset of left padding only moves rounding).
 """
 
 from __future__ import annotations
@@ -71,11 +78,20 @@ def _is_sharded(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
-def _rotate_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Rows such that x @ W_rot.T == rotate_half(x @ W.T) per head (also for biases)."""
+def _pair_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder each head's rows (or bias entries) 0, D/2, 1, D/2+1, ...: the dimensions
+    that ``rotate_half`` rotates together become adjacent (re, im) pairs."""
     w = weight.reshape(num_heads, -1, *weight.shape[1:])
     half = w.shape[1] // 2
-    return torch.cat([-w[:, half:], w[:, :half]], dim=1).reshape(weight.shape)
+    paired = torch.stack([w[:, :half], w[:, half:]], dim=2)  # [heads, D/2, 2, ...]
+    return paired.reshape(weight.shape)
+
+
+def _fold_norm_gain(weight: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """W' = W * (gain * sqrt(H)) per input column, so that
+    linear(rms_norm(x) * gain, W) == linear(x / sqrt(||x||^2 + H eps), W')."""
+    gain = norm.weight.float() * norm.weight.shape[0] ** 0.5
+    return (weight.float() * gain).to(weight.dtype)
 
 
 def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:
@@ -84,31 +100,42 @@ def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:
     return linear.weight.new_zeros(linear.weight.shape[0])
 
 
-def _norm_eps(norm: nn.Module) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+def _norm_floor(norm: nn.Module) -> torch.Tensor:
+    """sqrt(H eps) of an RMSNorm, as a float32 scalar tensor: ``_unit_rms``'s epsilon in
+    units of ||x||."""
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    return torch.tensor((norm.weight.shape[0] * eps) ** 0.5, device=norm.weight.device)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, statistics in float32."""
-    if x.dtype != torch.float32:
-        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-    # ||x||^2 / H instead of mean(x^2): vector_norm is a single fast reduction, and the
-    # remaining ops act in place on a [.., 1] tensor (F.rms_norm runs ~8 kernels on CPU)
-    inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])
-    return (x * inv_rms.add_(eps).rsqrt_()).mul_(weight)
+def _unit_rms(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(||x||^2 + H eps) = rms_norm(x) / sqrt(H), statistics in float32; the gain
+    and sqrt(H) live in the next matmul's weights (``_fold_norm_gain``).  Three kernels
+    (hypot(n, c) = sqrt(n^2 + c^2)); F.rms_norm runs ~8 on CPU."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).hypot_(floor)
+    if x.dtype == torch.float32:
+        return x / norm
+    return (x.float() / norm).to(x.dtype)
+
+
+def _rope_(x: torch.Tensor, rotation: torch.Tensor) -> None:
+    """Rotate x [..., D] (rows in ``_pair_rotary_rows`` order) in place by the complex
+    ``rotation`` [..., D/2] (broadcast over heads)."""
+    if x.dtype in (torch.float32, torch.float64):
+        torch.view_as_complex(x.unflatten(-1, (-1, 2))).mul_(rotation)
+    else:  # no complex bfloat16: rotate in float32, round once
+        rotated = torch.view_as_complex(x.float().unflatten(-1, (-1, 2))) * rotation
+        x.copy_(torch.view_as_real(rotated).flatten(-2))
 
 
 @dataclass
 class _Layer:
-    norm1: torch.Tensor
-    eps1: float
-    w_qkv: torch.Tensor  # [Nq + 2*Nkv + Nq + Nkv, H]: q, k, v, rot(q), rot(k)
+    floor1: torch.Tensor  # sqrt(H eps) of input_layernorm
+    w_qkv: torch.Tensor  # [Nq + 2*Nkv, H]: q, k (rotary pairs adjacent), v; norm1 gain folded in
     b_qkv: Optional[torch.Tensor]
     w_o_t: torch.Tensor  # [Nq, H] transposed view, for addmm
     b_o: Optional[torch.Tensor]
-    norm2: torch.Tensor
-    eps2: float
-    w_gate_up: torch.Tensor  # [2I, H]
+    floor2: torch.Tensor  # sqrt(H eps) of post_attention_layernorm
+    w_gate_up: torch.Tensor  # [2I, H], norm2 gain folded in
     b_gate_up: Optional[torch.Tensor]
     w_down_t: torch.Tensor  # [I, H] transposed view
     b_down: Optional[torch.Tensor]
@@ -117,8 +144,8 @@ class _Layer:
 class FusedWeights:
     """The model's weights, regrouped for the functional forward (see module docstring).
 
-    Holds about one extra copy of the q/k/v/gate/up projections (plus the rotated q/k
-    rows), for the duration of one ``generate`` call.
+    Holds one extra copy of the q/k/v/gate/up projections, for the duration of one
+    ``generate`` call.
     """
 
     def __init__(self, model: nn.Module):
@@ -131,8 +158,8 @@ class FusedWeights:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.embed = base.embed_tokens.weight
-        self.final_norm = base.norm.weight
-        self.final_eps = _norm_eps(base.norm)
+        self.final_gain = base.norm.weight * base.norm.weight.shape[0] ** 0.5  # lm_head is not copied
+        self.final_floor = _norm_floor(base.norm)
         self.lm_head = model.lm_head.weight
         self.lm_head_bias = getattr(model.lm_head, "bias", None)
         self.rotary = base.rotary_emb
@@ -143,25 +170,23 @@ class FusedWeights:
         hq, hkv = self.num_heads, self.num_kv_heads
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         wq, wk, wv = (p.weight for p in projs)
-        w_qkv = torch.cat([wq, wk, wv, _rotate_rows(wq, hq), _rotate_rows(wk, hkv)])
+        w_qkv = torch.cat([_pair_rotary_rows(wq, hq), _pair_rotary_rows(wk, hkv), wv])
         b_qkv = None
         if any(p.bias is not None for p in projs):
             bq, bk, bv = (_bias_or_zeros(p) for p in projs)
-            b_qkv = torch.cat([bq, bk, bv, _rotate_rows(bq, hq), _rotate_rows(bk, hkv)])
+            b_qkv = torch.cat([_pair_rotary_rows(bq, hq), _pair_rotary_rows(bk, hkv), bv])
         w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         b_gate_up = None
         if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
             b_gate_up = torch.cat([_bias_or_zeros(mlp.gate_proj), _bias_or_zeros(mlp.up_proj)])
         return _Layer(
-            norm1=layer.input_layernorm.weight,
-            eps1=_norm_eps(layer.input_layernorm),
-            w_qkv=w_qkv,
+            floor1=_norm_floor(layer.input_layernorm),
+            w_qkv=_fold_norm_gain(w_qkv, layer.input_layernorm),
             b_qkv=b_qkv,
             w_o_t=attn.o_proj.weight.t(),
             b_o=attn.o_proj.bias,
-            norm2=layer.post_attention_layernorm.weight,
-            eps2=_norm_eps(layer.post_attention_layernorm),
-            w_gate_up=w_gate_up,
+            floor2=_norm_floor(layer.post_attention_layernorm),
+            w_gate_up=_fold_norm_gain(w_gate_up, layer.post_attention_layernorm),
             b_gate_up=b_gate_up,
             w_down_t=mlp.down_proj.weight.t(),
             b_down=mlp.down_proj.bias,
@@ -193,14 +218,22 @@ class FunctionalDecoder:
         self.length = 0  # cache columns filled so far
         self.step_index = 0
 
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF's own rotary module, so every static RoPE variant (theta, llama3, yarn) matches."""
+    def _rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """e^{i theta p} per (position, rotary pair) [..., D/2], from HF's own rotary
+        module, so every static RoPE variant (theta, llama3, yarn, attention scaling)
+        matches.  HF's cos/sin repeat their first half (one angle per ``rotate_half``
+        pair); anything else would not be a rotation of pairs, so it is checked."""
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
-        return self.w.rotary(dummy, positions)
+        cos, sin = self.w.rotary(dummy, positions)
+        half = cos.shape[-1] // 2
+        if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
+            raise ValueError("the rotary embedding does not rotate (i, i + D/2) pairs by one angle")
+        real = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.w
-        return F.linear(_rms_norm(h, w.final_norm, w.final_eps), w.lm_head, w.lm_head_bias)
+        return F.linear(_unit_rms(h, w.final_floor) * w.final_gain, w.lm_head, w.lm_head_bias)
 
     # ------------------------------------------------------------------ prefill
 
@@ -217,8 +250,7 @@ class FunctionalDecoder:
             raise ValueError(f"prompt batch {tuple(prompt_ids.shape)} does not fit the cache")
         mask = prompt_mask.bool()
         positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        cos, sin = self._cos_sin(positions)  # [B, P, D]
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        rotation = self._rotation(positions)[:, :, None, :]  # [B, P, 1 (heads), D/2]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         allowed = torch.ones(plen, plen, dtype=torch.bool, device=self.device).tril() & mask[:, None, :]
         # a pad query row would see no key at all (NaN): let it see itself
@@ -226,16 +258,16 @@ class FunctionalDecoder:
         # additive mask in the layout of the grouped attention below: [B * kv_heads, n_rep * P, P]
         attn_bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
         attn_bias = attn_bias[:, None, None].expand(batch, hkv, self.n_rep, plen, plen).reshape(batch * hkv, -1, plen)
-        nqk, nkv = (hq + hkv) * d, hkv * d
+        nqk = (hq + hkv) * d
 
         h = F.embedding(prompt_ids, self.w.embed)
         for layer, k_cache, v_cache in zip(self.w.layers, self.k_layers, self.v_layers):
-            out = F.linear(_rms_norm(h, layer.norm1, layer.eps1), layer.w_qkv, layer.b_qkv)
+            out = F.linear(_unit_rms(h, layer.floor1), layer.w_qkv, layer.b_qkv)
             qk = out[..., :nqk].unflatten(-1, (hq + hkv, d))
-            qk = torch.addcmul(qk * cos, out[..., nqk + nkv :].unflatten(-1, (hq + hkv, d)), sin)
+            _rope_(qk, rotation)
             q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, P, D]
             k = qk[:, :, hq:].transpose(1, 2)
-            v = out[..., nqk : nqk + nkv].unflatten(-1, (hkv, d)).transpose(1, 2)
+            v = out[..., nqk:].unflatten(-1, (hkv, d)).transpose(1, 2)
             k_cache[:, :, :plen] = k
             v_cache[:, :, :plen] = v
             # explicit attention, the query heads of a kv head stacked as its queries (no
@@ -245,7 +277,7 @@ class FunctionalDecoder:
             a = torch.bmm(scores.softmax(dim=-1), v.reshape(batch * hkv, plen, d))
             a = a.view(batch, hq, plen, d).transpose(1, 2).reshape(batch, plen, hq * d)
             h = h + F.linear(a, layer.w_o_t.t(), layer.b_o)
-            gate, up = F.linear(_rms_norm(h, layer.norm2, layer.eps2), layer.w_gate_up, layer.b_gate_up).chunk(2, -1)
+            gate, up = F.linear(_unit_rms(h, layer.floor2), layer.w_gate_up, layer.b_gate_up).chunk(2, -1)
             h = h + F.linear(F.silu(gate) * up, layer.w_down_t.t(), layer.b_down)
         self.length = plen
         self.step_index = 0
@@ -255,9 +287,7 @@ class FunctionalDecoder:
         steps = self.max_len - plen
         real_len = prompt_mask.long().sum(dim=1)
         step_pos = real_len[None, :] + torch.arange(steps, device=self.device)[:, None]  # [T, B]
-        cos_t, sin_t = self._cos_sin(step_pos)
-        self.step_cos = cos_t[:, :, None, :].contiguous()  # [T, B, 1, D]
-        self.step_sin = sin_t[:, :, None, :].contiguous()
+        self.step_rotation = self._rotation(step_pos)[:, :, None, :].contiguous()  # [T, B, 1, D/2]
         # additive key mask hiding the left padding, in the [B * kv_heads, 1, S] layout
         # of the decode attention's baddbmm (generated columns are always visible)
         key_ok = torch.ones(batch, self.max_len, dtype=torch.bool, device=self.device)
@@ -276,19 +306,19 @@ class FunctionalDecoder:
         if col >= self.max_len:
             raise RuntimeError("KV cache is full")
         end = col + 1
-        cos, sin = self.step_cos[self.step_index], self.step_sin[self.step_index]
+        rotation = self.step_rotation[self.step_index]
         mask = self.decode_mask[..., :end]
         hq, hkv, d, n_rep, s = self.num_heads, self.num_kv_heads, self.head_dim, self.n_rep, self.max_len
-        nqk, nkv = (hq + hkv) * d, hkv * d
+        nqk = (hq + hkv) * d
         batch = tokens.shape[0]
 
         h = F.embedding(tokens, self.w.embed)  # [B, H]
         for layer, k_cache, v_cache in zip(self.w.layers, self.k_layers, self.v_layers):
-            out = F.linear(_rms_norm(h, layer.norm1, layer.eps1), layer.w_qkv, layer.b_qkv)
+            out = F.linear(_unit_rms(h, layer.floor1), layer.w_qkv, layer.b_qkv)
             qk = out[:, :nqk].view(batch, hq + hkv, d)
-            qk.mul_(cos).addcmul_(out[:, nqk + nkv :].view(batch, hq + hkv, d), sin)  # RoPE
+            _rope_(qk, rotation)
             k_cache[:, :, col] = qk[:, hq:]
-            v_cache[:, :, col] = out[:, nqk : nqk + nkv].view(batch, hkv, d)
+            v_cache[:, :, col] = out[:, nqk:].view(batch, hkv, d)
             q = qk[:, :hq].reshape(batch * hkv, n_rep, d)
             keys = k_cache.view(batch * hkv, s, d)[:, :end]
             scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=self.scale)
@@ -296,7 +326,7 @@ class FunctionalDecoder:
             h = torch.addmm(h, a.view(batch, hq * d), layer.w_o_t)
             if layer.b_o is not None:
                 h += layer.b_o
-            gate_up = F.linear(_rms_norm(h, layer.norm2, layer.eps2), layer.w_gate_up, layer.b_gate_up)
+            gate_up = F.linear(_unit_rms(h, layer.floor2), layer.w_gate_up, layer.b_gate_up)
             inter = gate_up.shape[1] // 2
             act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
             h = torch.addmm(h, act, layer.w_down_t)
