@@ -39,10 +39,9 @@ def qwen():
     return _init(transformers.Qwen2ForCausalLM, config)
 
 
-@pytest.fixture(scope="module")
-def llama():
-    """Untied head, GQA (4 query / 2 kv heads), biases everywhere, non-default RoPE theta."""
-    config = transformers.LlamaConfig(
+def _small_llama(seed=0, **overrides):
+    """A 2-layer GQA Llama (4 query / 2 kv heads) with random biases and norm gains."""
+    config = dict(
         vocab_size=40,
         hidden_size=64,
         num_hidden_layers=2,
@@ -50,34 +49,27 @@ def llama():
         num_key_value_heads=2,
         intermediate_size=96,
         max_position_embeddings=128,
+    )
+    config = transformers.LlamaConfig(**(config | overrides))
+    return _with_random_biases_and_gains(_init(transformers.LlamaForCausalLM, config, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """Untied head, GQA, biases everywhere, non-default RoPE theta."""
+    return _small_llama(
         tie_word_embeddings=False,
         attention_bias=True,
         mlp_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     )
-    return _with_random_biases_and_gains(_init(transformers.LlamaForCausalLM, config))
 
 
 @pytest.fixture(scope="module")
 def llama_yarn():
     """YaRN RoPE: scaled frequencies and an attention factor on cos/sin."""
-    config = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        max_position_embeddings=128,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 500.0,
-            "factor": 4.0,
-            "attention_factor": 1.3,
-            "original_max_position_embeddings": 32,
-        },
-    )
-    return _with_random_biases_and_gains(_init(transformers.LlamaForCausalLM, config, seed=1))
+    rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "attention_factor": 1.3}
+    return _small_llama(seed=1, rope_parameters=rope | {"original_max_position_embeddings": 32})
 
 
 def _with_random_biases_and_gains(model):
