@@ -166,6 +166,33 @@ def test_functional_logits_match_hf_forward_in_bfloat16(llama):
     assert (functional.float() - exact).abs().max() <= 1.5 * hf_error
 
 
+class _EditedRotary(torch.nn.Module):
+    """Wraps a model's rotary module and edits the cos/sin it returns."""
+
+    def __init__(self, inner, edit):
+        super().__init__()
+        self.inner, self.edit = inner, edit
+
+    def forward(self, x, positions):
+        return tuple(self.edit(t) for t in self.inner(x, positions))
+
+
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        (lambda t: t[..., : t.shape[-1] // 2], "partial rotary"),
+        (lambda t: t * torch.arange(1, t.shape[-1] + 1), "does not rotate (i, i + D/2) pairs"),
+    ],
+    ids=["partial", "unpaired"],
+)
+def test_rotary_that_cannot_be_paired_is_left_to_the_hf_loop(llama, edit, reason):
+    model = _small_llama(tie_word_embeddings=False)
+    model.model.rotary_emb = _EditedRotary(model.model.rotary_emb, edit)
+    assert reason in unsupported_reason(model)
+    assert not FastSampler().uses_functional_path(model)
+    assert unsupported_reason(llama) is None
+
+
 def test_unsupported_architecture_uses_generic_loop_and_matches_hf_greedy():
     config = transformers.GPT2Config(vocab_size=16, n_embd=32, n_layer=2, n_head=2, n_positions=64)
     model = _init(transformers.GPT2LMHeadModel, config)

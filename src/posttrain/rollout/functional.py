@@ -66,6 +66,21 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
         return "q/k norms (Qwen3-style) are not supported"
     if any(_is_sharded(p) for p in model.parameters()):
         return "parameters are sharded DTensors (FSDP2): gather them first, or use the HF loop"
+    return _rotary_reason(base.rotary_emb, config, base.embed_tokens.weight)
+
+
+def _rotary_reason(rotary: nn.Module, config, like: torch.Tensor) -> Optional[str]:
+    """The decoder rotates (i, i + D/2) pairs of every head dimension by one angle, as
+    ``rotate_half`` does: cos/sin must span the head and repeat their first half."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    with torch.no_grad():
+        positions = torch.tensor([[1, 7]], device=like.device)
+        cos, sin = rotary(torch.empty(0, dtype=torch.float32, device=like.device), positions)
+    if cos.shape[-1] != head_dim:
+        return f"partial rotary ({cos.shape[-1]} of {head_dim} head dims) is not supported"
+    half = head_dim // 2
+    if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
+        return "the rotary embedding does not rotate (i, i + D/2) pairs by one angle"
     return None
 
 
@@ -221,13 +236,10 @@ class FunctionalDecoder:
     def _rotation(self, positions: torch.Tensor) -> torch.Tensor:
         """e^{i theta p} per (position, rotary pair) [..., D/2], from HF's own rotary
         module, so every static RoPE variant (theta, llama3, yarn, attention scaling)
-        matches.  HF's cos/sin repeat their first half (one angle per ``rotate_half``
-        pair); anything else would not be a rotation of pairs, so it is checked."""
+        matches.  HF's cos/sin repeat their first half: one angle per ``rotate_half`` pair."""
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
         cos, sin = self.w.rotary(dummy, positions)
-        half = cos.shape[-1] // 2
-        if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
-            raise ValueError("the rotary embedding does not rotate (i, i + D/2) pairs by one angle")
+        half = cos.shape[-1] // 2  # unsupported_reason checked that the halves repeat
         real = torch.float64 if self.dtype == torch.float64 else torch.float32
         return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real))
 
