@@ -66,16 +66,16 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
         return "q/k norms (Qwen3-style) are not supported"
     if any(_is_sharded(p) for p in model.parameters()):
         return "parameters are sharded DTensors (FSDP2): gather them first, or use the HF loop"
-    return _rotary_reason(base.rotary_emb, config, base.embed_tokens.weight)
+    return _rotary_reason(base.rotary_emb, config, base.embed_tokens.weight.device)
 
 
-def _rotary_reason(rotary: nn.Module, config, like: torch.Tensor) -> Optional[str]:
+def _rotary_reason(rotary: nn.Module, config, device: torch.device) -> Optional[str]:
     """The decoder rotates (i, i + D/2) pairs of every head dimension by one angle, as
     ``rotate_half`` does: cos/sin must span the head and repeat their first half."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     with torch.no_grad():
-        positions = torch.tensor([[1, 7]], device=like.device)
-        cos, sin = rotary(torch.empty(0, dtype=torch.float32, device=like.device), positions)
+        positions = torch.tensor([[1, 7]], device=device)
+        cos, sin = rotary(torch.empty(0, dtype=torch.float32, device=device), positions)
     if cos.shape[-1] != head_dim:
         return f"partial rotary ({cos.shape[-1]} of {head_dim} head dims) is not supported"
     half = head_dim // 2
