@@ -5,6 +5,7 @@ Sizes are tiny so the whole file runs in seconds on 2 CPU cores.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -143,7 +144,7 @@ def test_functional_logits_match_hf_forward_in_bfloat16(llama):
     """bf16 (no complex bfloat16: RoPE runs in float32 and rounds once).  Both forwards
     round differently, so each is measured against the float32 forward of the same
     weights: the functional path may err at most 1.5x as much as HF's own (it errs about as much)."""
-    model = _with_random_biases_and_gains(_init(transformers.LlamaForCausalLM, llama.config))
+    model = copy.deepcopy(llama)
     with torch.no_grad():  # peaked attention and logits, so positions (RoPE) move the logits
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(6.0)
@@ -185,12 +186,12 @@ class _EditedRotary(torch.nn.Module):
     ],
     ids=["partial", "unpaired"],
 )
-def test_rotary_that_cannot_be_paired_is_left_to_the_hf_loop(llama, edit, reason):
-    model = _small_llama(tie_word_embeddings=False)
+def test_rotary_that_cannot_be_paired_is_left_to_the_hf_loop(edit, reason):
+    model = _small_llama()
+    assert unsupported_reason(model) is None
     model.model.rotary_emb = _EditedRotary(model.model.rotary_emb, edit)
     assert reason in unsupported_reason(model)
     assert not FastSampler().uses_functional_path(model)
-    assert unsupported_reason(llama) is None
 
 
 def test_unsupported_architecture_uses_generic_loop_and_matches_hf_greedy():

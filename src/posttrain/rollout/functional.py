@@ -72,7 +72,7 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
 def _rotary_reason(rotary: nn.Module, config, device: torch.device) -> Optional[str]:
     """The decoder rotates (i, i + D/2) pairs of every head dimension by one angle, as
     ``rotate_half`` does: cos/sin must span the head and repeat their first half."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     with torch.no_grad():
         positions = torch.tensor([[1, 7]], device=device)
         cos, sin = rotary(torch.empty(0, dtype=torch.float32, device=device), positions)
@@ -82,6 +82,10 @@ def _rotary_reason(rotary: nn.Module, config, device: torch.device) -> Optional[
     if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
         return "the rotary embedding does not rotate (i, i + D/2) pairs by one angle"
     return None
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _is_sharded(param: torch.Tensor) -> bool:
@@ -102,11 +106,15 @@ def _pair_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return paired.reshape(weight.shape)
 
 
+def _scaled_gain(norm: nn.Module) -> torch.Tensor:
+    """gain * sqrt(H) in float32: what multiplies ``_unit_rms``'s output to give rms_norm's."""
+    return norm.weight.float() * norm.weight.shape[0] ** 0.5
+
+
 def _fold_norm_gain(weight: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """W' = W * (gain * sqrt(H)) per input column, so that
     linear(rms_norm(x) * gain, W) == linear(x / sqrt(||x||^2 + H eps), W')."""
-    gain = norm.weight.float() * norm.weight.shape[0] ** 0.5
-    return (weight.float() * gain).to(weight.dtype)
+    return (weight.float() * _scaled_gain(norm)).to(weight.dtype)
 
 
 def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:
@@ -171,9 +179,9 @@ class FusedWeights:
         base = model.model
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = _head_dim(config)
         self.embed = base.embed_tokens.weight
-        self.final_gain = base.norm.weight * base.norm.weight.shape[0] ** 0.5  # lm_head is not copied
+        self.final_gain = _scaled_gain(base.norm).to(base.norm.weight.dtype)  # lm_head is not copied
         self.final_floor = _norm_floor(base.norm)
         self.lm_head = model.lm_head.weight
         self.lm_head_bias = getattr(model.lm_head, "bias", None)
