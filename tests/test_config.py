@@ -12,7 +12,7 @@ from posttrain.train import CONFIG_DIR
 from conftest import compose_config
 
 GROUPS = ["algorithm", "kl_estimator", "advantage", "reward", "data_curriculum", "model", "data", "rollout",
-          "trainer", "logger", "callbacks", "paths", "experiment"]
+          "trainer", "logger", "callbacks", "paths", "numerics", "experiment"]
 
 
 def options(group: str) -> list[str]:

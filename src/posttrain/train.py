@@ -100,6 +100,8 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
 
 def run_name(choices: dict[str, str], cfg: DictConfig) -> str:
     picked = [choices.get(g) for g in ("algorithm", "advantage", "kl_estimator") if choices.get(g) not in (None, "none")]
+    if choices.get("numerics") not in (None, "posttrain"):
+        picked.append(f"{choices['numerics']}-numerics")
     return "-".join(picked + [f"seed{cfg.seed}"]) if picked else f"{cfg.task_name}-seed{cfg.seed}"
 
 
@@ -190,8 +192,16 @@ def build_module(cfg: DictConfig, policy, tokenizer, source):
     if cfg.algorithm.kind == "online":
         components = dict(kl_estimator=cfg.kl_estimator, advantage=cfg.advantage, reward=cfg.reward,
                           data_curriculum=cfg.data_curriculum, cache_dir=cfg.paths.cache_dir, seed=cfg.seed)
-    return instantiate(algorithm, policy=policy, tokenizer=tokenizer, source=source, rollout=cfg.rollout,
-                       eval_max_new_tokens=cfg.eval.max_new_tokens, _recursive_=False, **components)
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(algorithm, policy=policy, tokenizer=tokenizer, source=source, rollout=cfg.rollout,
+                           eval_max_new_tokens=cfg.eval.max_new_tokens, _recursive_=False, **components)
+    except InstantiationException as err:
+        # Hydra wraps what the module's __init__ raised; a config mistake must reach the user as itself
+        if isinstance(err.__cause__, PosttrainError):
+            raise err.__cause__ from None
+        raise
 
 
 def warm_start(cfg: DictConfig) -> str | None:

@@ -8,6 +8,13 @@ from posttrain.core import (
     gae_advantages,
     masked_whiten,
 )
+from posttrain.core.advantages import (
+    dr_grpo_advantages,
+    grpo_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from posttrain.core.groups import group_ids, group_max, group_mean, group_min, group_std, group_sum
 
 D = torch.float64
 EPS = 1e-6
@@ -64,7 +71,7 @@ def test_group_mean_is_dr_grpo():
     r, mask = outcome_batch(SCORES, LENGTHS)
     adv, _ = compute_advantages("group_mean", r, mask, GROUPS)
     assert per_seq(adv, mask) == pytest.approx([-1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
-    adv2, _ = compute_advantages("group_norm", r, mask, GROUPS, norm_by_std=False)
+    adv2, _ = compute_advantages("group_norm", r, mask, GROUPS, scale="none")
     torch.testing.assert_close(adv, adv2)
 
 
@@ -304,3 +311,174 @@ def test_all_padding_rows_do_not_shift_group_statistics(name):
     adv, _ = compute_advantages(name, r2, mask2, torch.tensor([0, 0, 0, 0]))
     torch.testing.assert_close(adv[:3], ref)
     assert (adv[3] == 0).all()
+
+
+# --- peer conventions: singletons, batch scaling, kept degenerate groups ---------------------
+
+# group 0: scores 1, 2, 6 (mean 3, unbiased std sqrt(7)); group 5: a single sample with score 4
+S_SCORES, S_LENGTHS, S_GROUPS = [1.0, 2.0, 6.0, 4.0], [2, 3, 1, 2], torch.tensor([0, 0, 0, 5])
+SQ7 = 7**0.5
+
+
+@pytest.mark.parametrize(
+    "name, singleton, expected",
+    [
+        ("group_norm", "zero", [-2 / (SQ7 + EPS), -1 / (SQ7 + EPS), 3 / (SQ7 + EPS), 0.0]),
+        ("group_norm", "raw", [-2 / (SQ7 + EPS), -1 / (SQ7 + EPS), 3 / (SQ7 + EPS), 4.0]),
+        ("group_norm", "unit_std", [-2 / (SQ7 + EPS), -1 / (SQ7 + EPS), 3 / (SQ7 + EPS), 4 / (1 + EPS)]),
+        ("group_mean", "zero", [-2.0, -1.0, 3.0, 0.0]),
+        ("group_mean", "raw", [-2.0, -1.0, 3.0, 4.0]),
+        ("group_mean", "unit_std", [-2.0, -1.0, 3.0, 4.0]),
+        # 1 - (2+6)/2, 2 - (1+6)/2, 6 - (1+2)/2
+        ("rloo", "zero", [-3.0, -1.5, 4.5, 0.0]),
+        ("rloo", "raw", [-3.0, -1.5, 4.5, 4.0]),
+        ("rloo", "unit_std", [-3.0, -1.5, 4.5, 4.0]),
+    ],
+)
+def test_singleton_modes_hand_values(name, singleton, expected):
+    r, mask = outcome_batch(S_SCORES, S_LENGTHS)
+    adv, ret = compute_advantages(name, r, mask, S_GROUPS, singleton=singleton)
+    assert per_seq(adv, mask) == pytest.approx(expected, abs=1e-12)
+    torch.testing.assert_close(ret, adv)
+
+
+def _whiten_tokens(seq_values, mask):
+    """Hand whitening of per-sequence values broadcast to tokens: mean and unbiased std over
+    all valid tokens, rsqrt(var + 1e-8) (verl's masked_whiten)."""
+    tok = torch.tensor(seq_values, dtype=D).unsqueeze(-1).expand(mask.shape)
+    vals = tok[mask]
+    return ((tok - vals.mean()) / torch.sqrt(vals.var() + 1e-8)).masked_fill(~mask, 0.0)
+
+
+@pytest.mark.parametrize("singleton", ["zero", "raw", "unit_std"])
+@pytest.mark.parametrize("keep_degenerate", [False, True])
+def test_reinforce_pp_baseline_singleton_and_keep_degenerate(singleton, keep_degenerate):
+    # group 0: 1, 2, 6 (mean 3); group 5: the single score 4; group 8: flat 2, 2
+    r, mask = outcome_batch(S_SCORES + [2.0, 2.0], S_LENGTHS + [3, 4])
+    groups = torch.tensor([0, 0, 0, 5, 8, 8])
+    adv, ret = compute_advantages(
+        "reinforce_pp_baseline", r, mask, groups, singleton=singleton, keep_degenerate=keep_degenerate
+    )
+    single = 0.0 if singleton == "zero" else 4.0  # "raw" and "unit_std": baseline 0 -> R
+    expected = _whiten_tokens([-2.0, -1.0, 3.0, single, 0.0, 0.0], mask)
+    if not keep_degenerate:
+        expected[4:] = 0.0  # the flat group is reset
+        if singleton == "zero":
+            expected[3] = 0.0  # so is the group of one, unless it has a baseline-0 signal
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, adv)
+    if keep_degenerate:  # verl: whitening moves the flat group away from 0, and that is kept
+        assert (adv[4][mask[4]] != 0).all()
+
+
+def test_group_norm_unit_std_singletons_are_verl_grpo():
+    """verl's GRPO gives a group of one mean 0 and std 1: (R - 0) / (1 + eps)."""
+    r, mask = outcome_batch([3.0, -2.0, 0.5], [1, 2, 4])
+    adv, _ = grpo_advantages(r, mask, torch.tensor([0, 1, 2]), singleton="unit_std")
+    assert per_seq(adv, mask) == pytest.approx([3.0 / (1 + 1e-6), -2.0 / (1 + 1e-6), 0.5 / (1 + 1e-6)], abs=1e-15)
+    adv, _ = grpo_advantages(r, mask, torch.tensor([0, 1, 2]), singleton="unit_std", eps=1e-4)
+    assert per_seq(adv, mask) == pytest.approx([3.0 / (1 + 1e-4), -2.0 / (1 + 1e-4), 0.5 / (1 + 1e-4)], abs=1e-15)
+    # a zero score stays 0; "raw" divides by nothing
+    adv, _ = grpo_advantages(r, mask, torch.tensor([0, 1, 2]), singleton="raw")
+    assert per_seq(adv, mask) == pytest.approx([3.0, -2.0, 0.5], abs=0)
+
+
+def test_singleton_options_leave_all_padding_rows_alone():
+    # row 2 is all padding in group 0: group 0 keeps two members; row 3 is an empty group of its own
+    r, mask = outcome_batch([1.0, 3.0, 0.0, 0.0, 5.0], [2, 1, 0, 0, 3])
+    groups = torch.tensor([0, 0, 0, 4, 7])
+    for name in ("group_norm", "group_mean", "rloo", "reinforce_pp_baseline"):
+        for singleton in ("raw", "unit_std"):
+            adv, _ = compute_advantages(name, r, mask, groups, singleton=singleton)
+            assert (adv[2:4] == 0).all(), (name, singleton)
+            assert (adv[4][mask[4]] != 0).all()  # the real singleton gets its signal
+            ref, _ = compute_advantages(name, r[[0, 1, 4]], mask[[0, 1, 4]], groups[[0, 1, 4]], singleton=singleton)
+            torch.testing.assert_close(adv[[0, 1, 4]], ref)
+    # TRL batch std: computed over the 3 non-empty rows only
+    adv, _ = grpo_advantages(r, mask, groups, scale="batch", singleton="unit_std")
+    std = torch.tensor([1.0, 3.0, 5.0], dtype=D).std().item()
+    assert per_seq(adv, mask) == pytest.approx([-1 / (std + EPS), 1 / (std + EPS), 0.0, 0.0, 5 / (std + EPS)], abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["group_norm", "group_mean", "rloo", "reinforce_pp_baseline"])
+def test_unknown_singleton_mode_lists_valid_ones(name):
+    r, mask = outcome_batch([1.0, 2.0], [1, 1])
+    with pytest.raises(ValueError, match=r"singleton must be one of 'zero', 'raw', 'unit_std'; got 'one'"):
+        compute_advantages(name, r, mask, torch.tensor([0, 0]), singleton="one")
+
+
+def test_batch_scale_hand_values():
+    # TRL scale_rewards="batch": (R - mean_G) / (std over all scores + eps), unbiased std
+    scores = [1.0, 0.0, 0.0, 1.0, 3.0, 3.0]
+    r, mask = outcome_batch(scores, [1, 2, 3, 4, 2, 1])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])  # group 2 is flat
+    adv, ret = grpo_advantages(r, mask, groups, scale="batch")
+    mean = sum(scores) / 6
+    std = (sum((s - mean) ** 2 for s in scores) / 5) ** 0.5
+    assert std == pytest.approx(torch.tensor(scores, dtype=D).std().item(), abs=1e-15)
+    a = 0.5 / (std + EPS)
+    assert per_seq(adv, mask) == pytest.approx([a, -a, -a, a, 0.0, 0.0], abs=1e-12)
+    torch.testing.assert_close(ret, adv)
+    # the group scale would give +-0.5 / (sqrt(0.5) + eps)
+    grp, _ = grpo_advantages(r, mask, groups)
+    assert per_seq(grp, mask)[0] == pytest.approx(0.5 / (0.5**0.5 + EPS))
+    # "none" is Dr. GRPO
+    none, _ = grpo_advantages(r, mask, groups, scale="none")
+    torch.testing.assert_close(none, dr_grpo_advantages(r, mask, groups)[0])
+    with pytest.raises(ValueError, match=r"scale must be one of 'group', 'batch', 'none'"):
+        grpo_advantages(r, mask, groups, scale="global")
+
+
+def test_batch_scale_zero_std_gives_zero_not_nan():
+    r, mask = outcome_batch([2.0, 2.0, 2.0], [1, 2, 3])
+    for singleton in ("zero", "unit_std"):
+        adv, _ = grpo_advantages(r, mask, torch.tensor([0, 0, 1]), scale="batch", eps=0.0, singleton=singleton)
+        assert (adv == 0).all()
+    # a batch of one singleton: std of one score is 0 -> 0 ("raw" does not divide: R)
+    r1, m1 = outcome_batch([2.0], [2])
+    adv, _ = grpo_advantages(r1, m1, torch.tensor([0]), scale="batch", singleton="unit_std")
+    assert (adv == 0).all()
+    adv, _ = grpo_advantages(r1, m1, torch.tensor([0]), scale="batch", singleton="raw")
+    assert (adv[m1] == 2.0).all()
+
+
+def _today(name, r, mask, groups):
+    """The pre-option formulas, written out with the same primitives (bit-for-bit reference)."""
+    valid = mask.bool()
+    scores = torch.where(valid, r, torch.zeros_like(r)).sum(-1)
+    has = valid.any(-1)
+    g = group_ids(groups, len(groups))
+    g = group_ids(torch.where(has, g.inverse, g.num_groups + torch.arange(len(groups))), len(groups))
+    n = g.counts[g.inverse]
+    sums = group_sum(scores, g)[g.inverse]
+    flat = group_max(scores, g) == group_min(scores, g)
+    degenerate = flat | (n < 2)
+    centred = scores - group_mean(scores, g)
+    if name == "group_norm":
+        seq = centred / (group_std(scores, g) + EPS)
+    elif name == "rloo":
+        seq = scores - (sums - scores) / (n.to(D) - 1).clamp_min(1)
+    else:
+        seq = centred
+    seq = torch.where(degenerate, torch.zeros_like(seq), seq)
+    adv = torch.where(valid, seq.unsqueeze(-1).expand(valid.shape), torch.zeros_like(r))
+    if name == "reinforce_pp_baseline":
+        adv = masked_whiten(adv, valid)
+        adv = torch.where(degenerate.unsqueeze(-1), torch.zeros_like(adv), adv)
+    return adv
+
+
+@pytest.mark.parametrize("name", ["group_norm", "group_mean", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_defaults_reproduce_previous_outputs_exactly(name, seed):
+    gen = torch.Generator().manual_seed(seed)
+    B, T = 13, 6
+    r = torch.randn(B, T, dtype=D, generator=gen)
+    mask = torch.arange(T) < torch.randint(0, T + 1, (B,), generator=gen).unsqueeze(1)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4, 4, 5])  # 2 and 5: groups of one
+    r[10:12] = 0.25  # group 4: flat if both rows are non-empty
+    adv, _ = compute_advantages(name, r, mask, groups)
+    assert torch.equal(adv, _today(name, r, mask, groups))
+    explicit = {"group_norm": {"scale": "group", "eps": EPS}, "reinforce_pp_baseline": {"keep_degenerate": False}}
+    adv2, _ = compute_advantages(name, r, mask, groups, singleton="zero", **explicit.get(name, {}))
+    assert torch.equal(adv, adv2)

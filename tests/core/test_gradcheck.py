@@ -9,20 +9,18 @@ import torch
 from torch.autograd import gradcheck
 
 from posttrain.core import (
-    AGGREGATION_MODES,
     DISTILL_DIVERGENCES,
     KL_ESTIMATORS,
-    POLICY_LOSSES,
-    aggregate_loss,
     bradley_terry_loss,
     distill_divergence,
     entropy_from_logits,
     kdrl_k2_loss,
     logprobs_from_logits,
     preference_loss,
-    ptx_loss,
-    value_loss,
 )
+from posttrain.core.aggregation import AGGREGATION_MODES, aggregate_loss
+from posttrain.core.policy_loss import POLICY_LOSSES
+from posttrain.core.value import ptx_loss, value_loss
 
 D = torch.float64
 MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
@@ -41,7 +39,11 @@ def _logp():
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_policy_losses(name, mode):
     adv = ADV_SEQ if name == "gspo" else ADV_TOKEN
-    kwargs = dict(agg_mode=mode, clip_low=0.2, clip_high=0.28)
+    kwargs = dict(agg_mode=mode)
+    if name in ("ppo_clip", "gspo", "cispo"):
+        kwargs.update(clip_low=0.2, clip_high=0.28)
+    if name == "sapo":
+        kwargs.update(tau_pos=1.3, tau_neg=0.9)
     if name == "ppo_clip":
         kwargs["dual_clip"] = 1.3  # token (0, 3): ratio e^0.4 = 1.49 > 1.3 with A = -2 hits the dual clip
     if name == "cispo":
@@ -60,6 +62,30 @@ def test_policy_losses(name, mode):
 def test_aggregation(mode):
     x = torch.randn(3, 4, dtype=D, requires_grad=True)
     assert gradcheck(lambda t: aggregate_loss(t, MASK, mode, num_tokens=11, num_seqs=4, norm_constant=6), (x,))
+    mask = MASK.clone()
+    mask[1] = False  # an all-padding row, counted
+    assert gradcheck(lambda t: aggregate_loss(t, mask, mode, dp_size=3, count_empty_rows=True), (x,))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_cispo_sequence_ratio(mode):
+    """Sequence-level CISPO: weights sg[clip(s_i)] are fixed under the finite difference because
+    old_logp moves with logp (s_i = 1.12, 0.61, 1.01: clipped above, below, and inside)."""
+    kwargs = dict(agg_mode=mode, clip_low=0.2, clip_high=0.1, ratio_level="sequence", seq_log_ratio_clamp=0.5)
+    fn = lambda lp: POLICY_LOSSES["cispo"](lp, lp.detach() - DELTA, ADV_TOKEN, MASK, **kwargs)[0]  # noqa: E731
+    assert gradcheck(fn, (_logp(),))
+    stats = POLICY_LOSSES["cispo"](_logp(), OLD, ADV_TOKEN, MASK, **kwargs)[1]
+    assert stats["clip_frac_high"] > 0 and stats["clip_frac_low"] > 0
+
+
+def test_gspo_seq_clamp_and_delta():
+    """GSPO with the sequence log-ratio clamp (row 0's mean 0.1125 > 0.05: no gradient there) and
+    PPO with delta (token (0, 3): r = e^0.4 = 1.49 > delta = 1.35 with A = -2)."""
+    kwargs = dict(agg_mode="seq-mean-token-mean", clip_low=None, clip_high=None, seq_log_ratio_clamp=0.05)
+    fn = lambda lp: POLICY_LOSSES["gspo"](lp, OLD, ADV_SEQ, MASK, **kwargs)[0]  # noqa: E731
+    assert gradcheck(fn, (_logp(),))
+    fn = lambda lp: POLICY_LOSSES["ppo_clip"](lp, OLD, ADV_TOKEN, MASK, clip_high=0.28, delta=1.35)[0]  # noqa: E731
+    assert gradcheck(fn, (_logp(),))
 
 
 @pytest.mark.parametrize("name", ["k1", "k2", "k3", "k3_unbiased"])
@@ -95,6 +121,8 @@ def test_preference_losses(name):
         kw["label_smoothing"] = 0.1
     if name == "simpo":
         kw.update(chosen_len=torch.tensor([5, 3, 4]), rejected_len=torch.tensor([4, 2, 5]), gamma=0.3, beta=2.0)
+    if name == "simpo":  # reference-free: its reference log-probs must stay unset
+        ref_c = ref_r = None
     fn = lambda c, r: preference_loss(name, c, r, ref_c, ref_r, **kw)[0]  # noqa: E731
     assert gradcheck(fn, (chosen, rejected))
 

@@ -17,6 +17,7 @@ from posttrain.core import (
     kl_penalty,
     kl_straight_through,
 )
+from posttrain.core.kl import kl_abs, kl_unbiased_gradient
 
 D = torch.float64
 LOGP = torch.tensor([[math.log(0.5), math.log(0.2)]], dtype=torch.float64)
@@ -236,3 +237,210 @@ def test_k2_gradient_monte_carlo_on_policy(seed):
     pi = torch.softmax(theta, -1).detach()
     mean, se = _mc_mean_and_se(_per_sample_grads(kl_k2, theta, ref), pi, 200_000, seed + 13)
     assert ((mean - _true_kl_grad(theta, ref)).abs() <= 5 * se + 1e-12).all()
+
+
+# --- peer conventions: abs, value clamps, unclamped k3, unbiased gradient ----------------------
+
+
+def _t(*rows):
+    return torch.tensor([list(rows)], dtype=D)
+
+
+def test_abs_hand_values():
+    # log pi - log ref = [ln 2, -ln 2]
+    torch.testing.assert_close(kl_abs(LOGP, REF), _t(math.log(2), math.log(2)))
+    assert KL_ESTIMATORS["abs"] is kl_abs
+    torch.testing.assert_close(kl_penalty("abs", LOGP, REF), _t(math.log(2), math.log(2)))
+    logp = LOGP.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(kl_abs(logp, REF).sum(), logp)
+    torch.testing.assert_close(g, _t(1.0, -1.0))  # sign(log pi - log ref)
+
+
+def test_value_clamp_k1_k2_abs():
+    logp, ref = _t(3.0, -4.0, 0.25), _t(0.0, 0.0, 0.0)  # log-ratio [3, -4, 0.25]
+    # None (the default): no clamp at all
+    torch.testing.assert_close(kl_k1(logp, ref), _t(3.0, -4.0, 0.25))
+    torch.testing.assert_close(kl_k2(logp, ref), _t(4.5, 8.0, 0.03125))
+    torch.testing.assert_close(kl_abs(logp, ref), _t(3.0, 4.0, 0.25))
+    torch.testing.assert_close(kl_k1(100 * logp, ref, value_clamp=None), _t(300.0, -400.0, 25.0))
+    # a number clamps to [-c, c]; values inside stay exact
+    torch.testing.assert_close(kl_k1(logp, ref, value_clamp=2.0), _t(2.0, -2.0, 0.25))
+    torch.testing.assert_close(kl_k2(logp, ref, value_clamp=5.0), _t(4.5, 5.0, 0.03125))
+    torch.testing.assert_close(kl_abs(logp, ref, value_clamp=3.5), _t(3.0, 3.5, 0.25))
+    # OpenRLHF: +-10 on every estimator
+    torch.testing.assert_close(kl_k2(logp, ref, value_clamp=10.0), _t(4.5, 8.0, 0.03125))
+    torch.testing.assert_close(kl_k1(5 * logp, ref, value_clamp=10.0), _t(10.0, -10.0, 1.25))
+    # clamped entries carry no gradient
+    x = logp.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(kl_k1(x, ref, value_clamp=2.0).sum(), x)
+    torch.testing.assert_close(g, _t(0.0, 0.0, 1.0))
+    for fn in (kl_k1, kl_k2, kl_abs, kl_k3, kl_k3_unbiased):
+        for bad in (0.0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match="value_clamp"):
+                fn(logp, ref, ref, value_clamp=bad)
+
+
+def test_k3_clamp_settings():
+    # d = log ref - log pi
+    logp, ref = _t(-25.0, -1.0, -30.0), _t(0.0, 0.0, 0.0)  # d = [25, 1, 30]
+    e = math.e
+    # defaults (ours, verl): d clamped to 20, value to 10
+    torch.testing.assert_close(kl_k3(logp, ref), _t(10.0, e - 2, 10.0))
+    # both None (TRL): no clamp at all, exp(25) - 26 in float64
+    k = kl_k3(logp, ref, log_ratio_clamp=None, value_clamp=None)
+    torch.testing.assert_close(k, _t(math.exp(25) - 26, e - 2, math.exp(30) - 31), rtol=1e-15, atol=0)
+    # value clamp only (OpenRLHF)
+    torch.testing.assert_close(kl_k3(logp, ref, log_ratio_clamp=None, value_clamp=10.0), _t(10.0, e - 2, 10.0))
+    # log-ratio clamp only: exp(20) - 21
+    torch.testing.assert_close(kl_k3(logp, ref, value_clamp=None), _t(math.exp(20) - 21, e - 2, math.exp(20) - 21))
+    torch.testing.assert_close(kl_k3(logp, ref, log_ratio_clamp=0.5, value_clamp=None), _t(*[math.exp(0.5) - 1.5] * 3))
+    # negative d: k3 ~ -d - 1
+    neg = kl_k3(_t(0.0), _t(-30.0), log_ratio_clamp=None, value_clamp=None)
+    torch.testing.assert_close(neg, _t(math.exp(-30) + 29))
+    assert kl_k3(_t(0.0), _t(-30.0), log_ratio_clamp=None).item() == 10.0
+    with pytest.raises(ValueError, match="log_ratio_clamp"):
+        kl_k3(logp, ref, log_ratio_clamp=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_k3_value_clamp_without_log_ratio_clamp_has_finite_gradient(dtype):
+    """d = 1000 overflows exp; with a value clamp the result is c and the gradient 0, not NaN."""
+    logp = torch.tensor([[-1000.0, -0.5]], dtype=dtype, requires_grad=True)
+    ref = torch.zeros(1, 2, dtype=dtype)
+    k = kl_k3(logp, ref, log_ratio_clamp=None, value_clamp=10.0)
+    assert k[0, 0].item() == 10.0
+    (g,) = torch.autograd.grad(k.sum(), logp)
+    assert g[0, 0].item() == 0.0
+    torch.testing.assert_close(g[0, 1], torch.tensor(1.0 - math.exp(0.5), dtype=dtype))
+
+
+def test_k3_unbiased_clamp_settings():
+    logp, ref, old = _t(-25.0, -1.0), _t(0.0, 0.0), _t(-27.0, -1.5)  # d = [25, 1], log w = [2, 0.5]
+    e = math.e
+    torch.testing.assert_close(kl_k3_unbiased(logp, ref, old), _t(math.exp(2) * 10, math.exp(0.5) * (e - 2)))
+    both_none = kl_k3_unbiased(logp, ref, old, log_ratio_clamp=None, value_clamp=None)
+    torch.testing.assert_close(both_none, _t(math.exp(2) * (math.exp(25) - 26), math.exp(0.5) * (e - 2)), rtol=1e-15, atol=0)
+    # log_ratio_clamp bounds both the weight and d
+    small = kl_k3_unbiased(logp, ref, old, log_ratio_clamp=1.0, value_clamp=None)
+    torch.testing.assert_close(small, _t(e * (e - 2), math.exp(0.5) * (e - 2)))
+    # value_clamp bounds k3 (not the product)
+    torch.testing.assert_close(
+        kl_k3_unbiased(logp, ref, old, value_clamp=0.5), _t(math.exp(2) * 0.5, math.exp(0.5) * 0.5)
+    )
+
+
+def test_k3_unbiased_unclamped_is_trl_bias_correction_kl():
+    """Both clamps None: (exp(ref - logp) - (ref - logp) - 1) * exp(logp - old), weight not detached."""
+    gen = torch.Generator().manual_seed(3)
+    logp0 = -torch.rand(4, 9, dtype=D, generator=gen) * 6
+    ref, old = -torch.rand(4, 9, dtype=D, generator=gen) * 6, -torch.rand(4, 9, dtype=D, generator=gen) * 6
+    a = logp0.clone().requires_grad_(True)
+    b = logp0.clone().requires_grad_(True)
+    ours = kl_k3_unbiased(a, ref, old, log_ratio_clamp=None, value_clamp=None)
+    trl = (torch.exp(ref - b) - (ref - b) - 1) * torch.exp(b - old)
+    torch.testing.assert_close(ours, trl, rtol=1e-15, atol=0)
+    (ga,) = torch.autograd.grad(ours.sum(), a)
+    (gb,) = torch.autograd.grad(trl.sum(), b)
+    torch.testing.assert_close(ga, gb, rtol=1e-14, atol=0)
+    via_penalty = kl_penalty("k3_unbiased", logp0, ref, old, log_ratio_clamp=None, value_clamp=None)
+    torch.testing.assert_close(via_penalty, trl.detach(), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", "abs"])
+def test_unbiased_gradient_value_and_gradient(name):
+    # log pi - log ref = [ln 2, -ln 2, 1.5]; log pi - log old = [0.3, -1.0, 3.0] (w = e^3 > 10: capped)
+    logp0 = torch.tensor([[math.log(0.5), math.log(0.2), -0.5]], dtype=D)
+    ref = torch.tensor([[math.log(0.25), math.log(0.4), -2.0]], dtype=D)
+    old = logp0 - torch.tensor([[0.3, -1.0, 3.0]], dtype=D)
+    logp = logp0.clone().requires_grad_(True)
+    out = kl_penalty(name, logp, ref, old, unbiased_gradient=True)
+    assert torch.equal(out, KL_ESTIMATORS[name](logp0, ref))  # the value is the estimator's, exactly
+    (g,) = torch.autograd.grad(out.sum(), logp)
+    w = torch.tensor([[math.exp(0.3), math.exp(-1.0), 10.0]], dtype=D)  # min(pi/pi_old, 10)
+    torch.testing.assert_close(g, w * (logp0 - ref), rtol=1e-15, atol=0)
+    # another cap; and no cap
+    out = kl_penalty(name, logp, ref, old, unbiased_gradient=True, is_weight_cap=1.0)
+    (g,) = torch.autograd.grad(out.sum(), logp)
+    torch.testing.assert_close(g, torch.tensor([[1.0, math.exp(-1.0), 1.0]], dtype=D) * (logp0 - ref))
+    out = kl_penalty(name, logp, ref, old, unbiased_gradient=True, is_weight_cap=None)
+    (g,) = torch.autograd.grad(out.sum(), logp)
+    torch.testing.assert_close(g, torch.exp(logp0 - old) * (logp0 - ref))
+    # without old_logp: w = 1, i.e. the straight-through gradient of k2
+    out = kl_penalty(name, logp, ref, unbiased_gradient=True)
+    assert torch.equal(out, KL_ESTIMATORS[name](logp0, ref))
+    (g,) = torch.autograd.grad(out.sum(), logp)
+    torch.testing.assert_close(g, logp0 - ref)
+
+
+def test_unbiased_gradient_keeps_the_estimator_options():
+    logp0, ref, old = _t(-30.0, -0.5), _t(0.0, -1.0), _t(-30.5, -0.5)
+    logp = logp0.clone().requires_grad_(True)
+    out = kl_penalty("k3", logp, ref, old, unbiased_gradient=True, log_ratio_clamp=None, value_clamp=None)
+    torch.testing.assert_close(out, kl_k3(logp0, ref, log_ratio_clamp=None, value_clamp=None), rtol=0, atol=0)
+    assert out[0, 0].item() == pytest.approx(math.exp(30) - 31)
+    (g,) = torch.autograd.grad(out.sum(), logp)
+    torch.testing.assert_close(g, _t(math.exp(0.5) * -30.0, 0.5))  # k2 itself is never clamped
+    out = kl_penalty("k1", logp, ref, old, unbiased_gradient=True, value_clamp=10.0)
+    torch.testing.assert_close(out, _t(-10.0, 0.5))
+    ug = kl_unbiased_gradient(kl_k3, is_weight_cap=10.0)
+    torch.testing.assert_close(ug(logp, ref, old, value_clamp=2.0), kl_k3(logp0, ref, value_clamp=2.0))
+    with pytest.raises(ValueError, match="is_weight_cap"):
+        kl_penalty("k1", logp, ref, old, unbiased_gradient=True, is_weight_cap=0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_unbiased_gradient_monte_carlo_off_policy(seed):
+    """E_{x~pi_old}[grad sg(pi/pi_old) k2] = grad KL(pi_theta||pi_ref) (cap inactive): Monte-Carlo
+    (N = 200k) mean of per-sample gradients w.r.t. the logits within 5 standard errors; the
+    unweighted (straight-through) k2 gradient on the same samples misses it by far more."""
+    theta = 0.8 * torch.randn(7, dtype=D, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
+    ref, old = _random_categorical(seed + 5, 7), _random_categorical(seed + 9, 7)
+    true = _true_kl_grad(theta, ref)
+    estimator = kl_unbiased_gradient(kl_k3, is_weight_cap=1e6)
+    assert (torch.softmax(theta, -1) / old).max() < 1e6
+    mean, se = _mc_mean_and_se(_per_sample_grads(estimator, theta, ref, old), old, 200_000, seed + 17)
+    assert ((mean - true).abs() <= 5 * se + 1e-12).all(), (mean, true, se)
+    plain = KL_ESTIMATORS["k3_st"]
+    plain_mean, plain_se = _mc_mean_and_se(_per_sample_grads(plain, theta, ref, old), old, 200_000, seed + 17)
+    assert ((plain_mean - true).abs() > 20 * plain_se).any()
+
+
+def test_straight_through_value_is_exact_and_takes_value_options():
+    gen = torch.Generator().manual_seed(8)
+    logp, ref = -torch.rand(3, 5, dtype=D, generator=gen) * 9, -torch.rand(3, 5, dtype=D, generator=gen) * 9
+    assert torch.equal(KL_ESTIMATORS["k3_st"](logp, ref), kl_k3(logp, ref))
+    assert torch.equal(kl_penalty("k1", logp, ref, straight_through=True), kl_k1(logp, ref))
+    opts = {"log_ratio_clamp": None, "value_clamp": None}
+    assert torch.equal(kl_penalty("k3_st", logp, ref, **opts), kl_k3(logp, ref, **opts))
+    assert torch.equal(kl_penalty("k3", logp, ref, straight_through=True, **opts), kl_k3(logp, ref, **opts))
+    assert torch.equal(kl_penalty("k1_st", logp, ref, value_clamp=0.5), kl_k1(logp, ref, value_clamp=0.5))
+    # old_logp given: straight-through does not weight (w = 1)
+    x = logp.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(kl_penalty("k3_st", x, ref, ref - 2.0).sum(), x)
+    torch.testing.assert_close(g, logp - ref)
+
+
+def test_kl_penalty_routes_options_and_rejects_foreign_ones():
+    logp, ref, old = _t(3.0, -0.5), _t(0.0, 0.0), _t(2.0, -0.5)
+    torch.testing.assert_close(kl_penalty("k1", logp, ref, value_clamp=1.0), _t(1.0, -0.5))
+    torch.testing.assert_close(kl_penalty("k2", logp, ref, value_clamp=1.0), _t(1.0, 0.125))
+    torch.testing.assert_close(kl_penalty("abs", logp, ref, value_clamp=1.0), _t(1.0, 0.5))
+    torch.testing.assert_close(
+        kl_penalty("k3", logp, ref, log_ratio_clamp=1.0, value_clamp=None), kl_k3(logp, ref, log_ratio_clamp=1.0, value_clamp=None)
+    )
+    x = logp.clone().requires_grad_(True)
+    (g_det,) = torch.autograd.grad(kl_penalty("k3_unbiased", x, ref, old, detach_weight=True).sum(), x)
+    (g,) = torch.autograd.grad(kl_penalty("k3_unbiased", x, ref, old).sum(), x)
+    torch.testing.assert_close(g_det, torch.exp(logp - old) * (1 - torch.exp(ref - logp)))
+    assert not torch.allclose(g, g_det)
+    for name, option in (("k1", "log_ratio_clamp"), ("k2", "detach_weight"), ("abs", "log_ratio_clamp"),
+                         ("k3", "detach_weight"), ("k1_st", "log_ratio_clamp"), ("k3", "value_clip")):
+        with pytest.raises(ValueError, match=rf"KL estimator '{name}' takes no option '{option}'"):
+            kl_penalty(name, logp, ref, old, **{option: 1.0})
+    with pytest.raises(ValueError, match="straight_through and unbiased_gradient"):
+        kl_penalty("k3", logp, ref, old, straight_through=True, unbiased_gradient=True)
+    with pytest.raises(ValueError, match="value_clamp"):
+        kl_penalty("k2", logp, ref, value_clamp=-1.0)
+    # masked: options still apply, padding is 0
+    out = kl_penalty("k1", logp, ref, mask=torch.tensor([[1, 0]]), value_clamp=1.0, unbiased_gradient=True)
+    torch.testing.assert_close(out, _t(1.0, 0.0))

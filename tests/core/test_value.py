@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from posttrain.core import logprobs_from_logits, ptx_loss, value_loss
+from posttrain.core.logprobs import logprobs_from_logits
+from posttrain.core.value import ptx_loss, value_loss
 
 D = torch.float64
 
@@ -49,3 +50,24 @@ def test_ptx_loss_is_pretraining_nll():
     )
     with pytest.raises(ValueError, match="labels"):
         ptx_loss(logits, mask)
+
+
+def test_value_and_ptx_pass_dp_size_and_count_empty_rows():
+    values = torch.tensor([[1.5, 0.9], [2.0, 0.0], [7.0, 7.0]], dtype=D)
+    returns = torch.tensor([[2.0, 0.5], [1.0, 0.0], [0.0, 0.0]], dtype=D)
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]])  # last row all padding
+    per_seq = [0.5 * (0.25 + 0.16) / 2, 0.5 * 1.0]
+    loss, _ = value_loss(values, values, returns, mask, agg_mode="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(sum(per_seq) / 2)
+    kw = dict(agg_mode="seq-mean-token-mean", count_empty_rows=True, dp_size=4)
+    loss, _ = value_loss(values, values, returns, mask, **kw)
+    assert loss.item() == pytest.approx(sum(per_seq) / 3 * 4)
+    loss, _ = value_loss(values, values, returns, mask, agg_mode="token-sum")
+    assert loss.item() == pytest.approx(0.5 * (0.25 + 0.16 + 1.0))
+    logp = torch.tensor([[-1.0, -2.0], [-4.0, 0.0], [0.0, 0.0]], dtype=D)
+    assert ptx_loss(logp, mask, agg_mode="seq-mean-token-mean", count_empty_rows=True).item() == pytest.approx(
+        (1.5 + 4.0) / 3
+    )
+    assert ptx_loss(logp, mask, num_tokens=6, dp_size=2).item() == pytest.approx(7.0 / 6 * 2)
+    with pytest.raises(ValueError, match="dp_size"):
+        ptx_loss(logp, mask, dp_size=0)

@@ -80,6 +80,31 @@ class Experience:
         return Experience(**merged)
 
 
+# Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
+KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")
+
+
+def check_core_options(module: "GRPOModule") -> None:
+    """Run the configured advantage, policy loss and KL estimator once on a dummy batch of two
+    one-token samples, so that an option a formula does not take (dual_clip with gspo, a clamp
+    on an estimator without one) or a bad value is a ConfigError at start-up, not a crash at
+    the first step."""
+    ones = torch.ones(2, 1)
+    try:
+        core.compute_advantages(module.advantage_name, ones, ones, torch.tensor([0, 0]), **module.advantage_options)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"advantage={module.advantage_name}: {err}") from None
+    try:
+        core.compute_policy_loss(module.policy_loss, ones, ones, ones, ones, **module.loss_options)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"algorithm.policy_loss={module.policy_loss}: {err}") from None
+    if module.reference is not None:
+        try:
+            core.kl_penalty(module.kl_name, ones, ones, ones, **module.kl_options)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"kl_estimator={module.kl_name}: {err}") from None
+
+
 def sequence_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
     """Logits predicting each response token, [B, T, V]. Positions count real tokens only,
     as the samplers do, so left padding does not shift a prompt's positions."""
@@ -100,8 +125,11 @@ class GRPOModule(PosttrainModule):
                  kl_estimator, advantage, reward, data_curriculum, cache_dir=None, seed: int = 0,
                  prompts_per_step: int = 16, group_size: int = 8, ppo_epochs: int = 1, num_minibatches: int = 1,
                  micro_batch_size: int | None = None, policy_loss: str = "ppo_clip", clip_low: float | None = 0.2,
-                 clip_high: float | None = 0.2, dual_clip: float | None = None,
+                 clip_high: float | None = 0.2, dual_clip: float | None = None, delta: float | None = None,
+                 log_ratio_clamp: float | None = 20.0, seq_log_ratio_clamp: float | None = None,
+                 ratio_level: str = "token", tau_pos: float = 1.0, tau_neg: float = 1.05,
                  loss_agg_mode: str = "seq-mean-token-mean", norm_constant: float | None = None,
+                 count_empty_rows: bool = False, mask_truncated: bool = False,
                  entropy_coef: float = 0.0, max_grad_norm: float | None = 1.0,
                  offpolicy_mask_delta: float | None = None, keep_sampling_mask: bool = False):
         super().__init__(policy, tokenizer, source, optim, rollout, eval_max_new_tokens, max_grad_norm)
@@ -119,11 +147,14 @@ class GRPOModule(PosttrainModule):
         self.batch_size = prompts_per_step
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
-        self.loss_options = dict(clip_low=clip_low, clip_high=clip_high, agg_mode=loss_agg_mode,
-                                 norm_constant=norm_constant or rollout.max_new_tokens)  # Dr. GRPO: the budget
-        if dual_clip is not None:
-            self.loss_options["dual_clip"] = dual_clip
+        # Aggregation settings shared by every loss term (policy, KL), then the policy loss's own.
+        self.aggregation = dict(agg_mode=loss_agg_mode, count_empty_rows=count_empty_rows,
+                                norm_constant=norm_constant or rollout.max_new_tokens)  # Dr. GRPO: the budget
+        self.loss_options = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta,
+                                 log_ratio_clamp=log_ratio_clamp, seq_log_ratio_clamp=seq_log_ratio_clamp,
+                                 ratio_level=ratio_level, tau_pos=tau_pos, tau_neg=tau_neg, **self.aggregation)
         self.policy_loss = policy_loss
+        self.mask_truncated = mask_truncated
         self.entropy_coef = entropy_coef
         self.offpolicy_mask_delta, self.keep_sampling_mask = offpolicy_mask_delta, keep_sampling_mask
         self.seed = seed
@@ -131,6 +162,8 @@ class GRPOModule(PosttrainModule):
         self.advantage_name = advantage.name
         self.advantage_options = {k: v for k, v in advantage.items() if k != "name"}
         self.kl_name, self.kl_placement = kl_estimator.name, kl_estimator.placement
+        # every key of the kl_estimator group besides its placement and coefficient is an estimator option
+        self.kl_options = {k: v for k, v in kl_estimator.items() if k not in KL_PLACEMENT_KEYS}
         uses_kl = self.kl_name != "none" and kl_estimator.coef > 0
         if uses_kl and self.kl_placement not in ("in_reward", "as_loss"):
             raise ConfigError(f"kl_estimator.placement={self.kl_placement!r} must be in_reward or as_loss")
@@ -142,6 +175,7 @@ class GRPOModule(PosttrainModule):
         # The frozen reference exists only when a KL term needs it.
         self.reference = copy.deepcopy(policy).requires_grad_(False).eval() if uses_kl else None
 
+        check_core_options(self)
         self.reward_fn = build_reward(reward, source, rollout.max_new_tokens)
         self.curriculum = build_curriculum(data_curriculum, ExampleCursor(source, "train", seed), cache_dir)
 
@@ -215,6 +249,13 @@ class GRPOModule(PosttrainModule):
         # if every group was flat even after the extra rounds, train on the first round (advantages 0)
         return (Experience.concat(nonempty, self.tokenizer.pad_token_id) if nonempty else first_scores), metrics
 
+    def loss_mask(self, exp: Experience) -> torch.Tensor:
+        """The tokens the loss terms see: every generated token, less the truncated responses
+        when `mask_truncated` is set (overlong filtering). Counts follow this mask."""
+        if not self.mask_truncated:
+            return exp.response_mask
+        return core.drop_truncated(exp.response_mask, exp.truncated)
+
     # --- log-probs -------------------------------------------------------------------------
     def logprobs(self, model, exp: Experience, with_entropy: bool = False):
         logits = sequence_logits(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
@@ -267,7 +308,7 @@ class GRPOModule(PosttrainModule):
             last = (mask.sum(dim=1).long() - 1).clamp(min=0)
             token_rewards[torch.arange(len(last)), last] = exp.scores.float()
             if kl_in_reward:
-                kl = core.kl_penalty(self.kl_name, old_logp, ref_logp, old_logp)
+                kl = core.kl_penalty(self.kl_name, old_logp, ref_logp, old_logp, **self.kl_options)
                 token_rewards = core.apply_kl_in_reward(token_rewards, kl, self.kl_controller.value, mask)
             advantages, _ = core.compute_advantages(self.advantage_name, token_rewards, mask, exp.group_index,
                                                     **self.advantage_options)
@@ -315,8 +356,8 @@ class GRPOModule(PosttrainModule):
     def minibatch_step(self, exp: Experience, old_logp, advantages, ref_logp, optimizer) -> dict[str, float]:
         """One optimiser step over a minibatch, accumulated over micro-batches with global token
         and sequence counts. ``old_logp=None`` means on-policy: pi_old is the current policy."""
-        mask = exp.response_mask
-        num_tokens, num_seqs = core.count_tokens_and_seqs(mask)
+        mask = self.loss_mask(exp)
+        num_tokens, num_seqs = core.count_tokens_and_seqs(mask, count_empty_rows=self.aggregation["count_empty_rows"])
         micro = self.micro_batch_size or len(exp.scores)
         optimizer.zero_grad()
         sums: dict[str, float] = {}
@@ -325,7 +366,7 @@ class GRPOModule(PosttrainModule):
             part = exp.select(torch.arange(len(exp.scores), device=self.device)[rows])
             logp, entropy = self.logprobs(self.policy, part, with_entropy=True)
             part_old_logp = logp.detach() if old_logp is None else old_logp[rows]
-            part_mask = part.response_mask
+            part_mask = mask[rows]
             seq_mask = None
             if self.offpolicy_mask_delta is not None:
                 seq_mask = core.offpolicy_sequence_mask(logp.detach(), part.rollout_logprobs, advantages[rows],
@@ -337,16 +378,17 @@ class GRPOModule(PosttrainModule):
             loss = loss - self.entropy_coef * entropy_term
             stats = {f"policy/{k}": v for k, v in stats.items()}
             if ref_logp is not None:
-                kl = core.kl_penalty(self.kl_name, logp, ref_logp[rows], part_old_logp)
-                kl_term = core.aggregate_loss(kl, part_mask, self.loss_options["agg_mode"], num_tokens=num_tokens,
-                                              num_seqs=num_seqs, norm_constant=self.loss_options["norm_constant"])
+                kl = core.kl_penalty(self.kl_name, logp, ref_logp[rows], part_old_logp, **self.kl_options)
+                kl_term = core.aggregate_loss(kl, part_mask, self.aggregation["agg_mode"], num_tokens=num_tokens,
+                                              num_seqs=num_seqs, norm_constant=self.aggregation["norm_constant"],
+                                              count_empty_rows=self.aggregation["count_empty_rows"])
                 if self.kl_placement == "as_loss":
                     loss = loss + self.kl_controller.value * kl_term
                 stats["policy/kl"] = kl_term.detach()
             if seq_mask is not None:
                 stats["policy/offpolicy_masked_frac"] = 1.0 - seq_mask.float().mean()
             self.manual_backward(loss)
-            share = part_mask.sum() / num_tokens  # micro-batch stats weighted by their token share
+            share = part_mask.sum() / num_tokens.clamp(min=1)  # micro-batch stats weighted by their token share
             stats.update({"policy/loss": loss.detach(),
                           "policy/entropy": entropy_term.detach() * num_tokens / part_mask.sum().clamp(min=1)})
             for k, v in stats.items():

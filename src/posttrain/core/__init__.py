@@ -51,13 +51,15 @@ from .kl import (
     kl_k1,
     kl_k2,
     kl_k3,
+    kl_abs,
     kl_k3_unbiased,
     kl_penalty,
     kl_straight_through,
+    kl_unbiased_gradient,
 )
 from .length import dapo_overlong_penalty, kimi_length_reward
 from .logprobs import entropy_from_logits, logprobs_from_logits
-from .masked import masked_mean, masked_sum, masked_var, masked_whiten, zero_padding
+from .masked import drop_truncated, masked_mean, masked_sum, masked_var, masked_whiten, zero_padding
 from .policy_loss import (
     POLICY_LOSSES,
     cispo_loss,
@@ -67,9 +69,11 @@ from .policy_loss import (
     offpolicy_sequence_mask,
     ppo_clip_loss,
     reinforce_loss,
+    sapo_loss,
 )
 from .preference import (
     PREFERENCE_LOSSES,
+    PreferenceOutput,
     bradley_terry_loss,
     dpo_loss,
     hinge_loss,
@@ -82,19 +86,19 @@ from .value import ptx_loss, value_loss
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "DISTILL_DIVERGENCES", "KL_CONTROLLERS",
     "KL_ESTIMATORS", "POLICY_LOSSES", "PREFERENCE_LOSSES",
-    "AdaptiveKLController", "FixedKLController",
+    "AdaptiveKLController", "FixedKLController", "PreferenceOutput",
     "aggregate_loss", "apply_kl_in_reward", "bradley_terry_loss", "build_kl_controller",
     "check_finite", "cispo_loss", "clamped_log_ratio", "compute_advantages",
     "compute_policy_loss", "count_tokens_and_seqs", "dapo_overlong_penalty",
-    "discounted_returns", "distill_divergence", "dpo_loss", "dr_grpo_advantages",
+    "discounted_returns", "distill_divergence", "dpo_loss", "dr_grpo_advantages", "drop_truncated",
     "entropy_from_logits", "forward_kl", "gae_advantages", "generalized_jsd", "group_ids",
     "informative_groups",
     "grpo_advantages", "gspo_loss", "gspo_sequence_log_ratio", "hinge_loss", "ipo_loss",
-    "kdrl_k2_loss", "kdrl_reward_mask", "kimi_length_reward", "kl_k1", "kl_k2", "kl_k3",
-    "kl_k3_unbiased", "kl_penalty", "kl_straight_through", "logprobs_from_logits",
+    "kdrl_k2_loss", "kdrl_reward_mask", "kimi_length_reward", "kl_abs", "kl_k1", "kl_k2", "kl_k3",
+    "kl_k3_unbiased", "kl_penalty", "kl_straight_through", "kl_unbiased_gradient", "logprobs_from_logits",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "offpolicy_sequence_mask",
     "ppo_clip_loss", "preference_loss", "prm_step_advantages", "ptx_loss",
     "reinforce_loss", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
-    "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sequence_scores",
+    "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sapo_loss", "sequence_scores",
     "set_finite_checks", "simpo_loss", "value_loss", "zero_padding",
 ]

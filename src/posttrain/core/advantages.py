@@ -15,8 +15,20 @@ Degenerate groups are defined, never NaN:
   * zero-variance group (all scores equal): advantage 0 for every group estimator;
   * group of size 1: no baseline can be formed from the others, advantage 0 for
     group_norm, group_mean, rloo, reinforce_pp_baseline and prm_step (the sample carries no
-    relative signal);
+    relative signal) -- by default, see ``singleton`` below;
   * all-padding rows: advantage 0, and they are left out of their group's statistics.
+
+Peer conventions as options (defaults are ours):
+  * ``singleton`` (group_norm, group_mean, rloo, reinforce_pp_baseline): a group of one gets
+    "zero" (default) 0; "raw" its score R (baseline 0, no std division: verl's GRPO without
+    std, verl's RLOO); "unit_std" mean 0 and std 1, then the usual scaling: R / (1 + eps) for
+    group_norm (verl's GRPO with std), R for group_mean and rloo. For reinforce_pp_baseline
+    both mean baseline 0 (verl).
+  * ``scale`` (group_norm): "group" (default, GRPO), "batch" (TRL ``scale_rewards="batch"``:
+    divide by the unbiased std of all sequence scores of the batch), "none" (Dr. GRPO, TRL
+    ``scale_rewards="none"``). TRL's eps is 1e-4 (``eps=1e-4``).
+  * ``keep_degenerate`` (reinforce_pp_baseline): keep the whitened values of degenerate
+    groups instead of resetting them to 0 (verl).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import torch
 
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .groups import GroupIndex, group_ids, group_max, group_mean, group_min, group_std, group_sum
-from .masked import masked_sum, masked_whiten
+from .masked import masked_sum, masked_var, masked_whiten
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -71,47 +83,88 @@ def _zero_variance(scores: torch.Tensor, g: GroupIndex) -> torch.Tensor:
     return group_max(scores, g) == group_min(scores, g)
 
 
-def _degenerate(scores: torch.Tensor, g: GroupIndex) -> torch.Tensor:
-    """[B] bool: the sample's group has zero variance or a single member (no relative signal)."""
-    return _zero_variance(scores, g) | (g.counts[g.inverse] < 2)
+SINGLETON_MODES = ("zero", "raw", "unit_std")
+SCALE_MODES = ("group", "batch", "none")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def _singletons(g: GroupIndex) -> torch.Tensor:
+    """[B] bool: the sample is alone in its group."""
+    return g.counts[g.inverse] < 2
+
+
+def _degenerate(scores: torch.Tensor, g: GroupIndex, singleton: str = "zero") -> torch.Tensor:
+    """[B] bool: the sample's group has zero variance or -- when ``singleton`` is "zero" -- a
+    single member (no relative signal). Other singleton modes give singletons a baseline of 0."""
+    degenerate = _zero_variance(scores, g)  # true for every singleton too
+    if singleton != "zero":
+        degenerate = degenerate & ~_singletons(g)
+    return degenerate
 
 
 @torch.no_grad()
 def grpo_advantages(
-    token_rewards, mask, group_index, values=None, *, eps: float = 1e-6, norm_by_std: bool = True
+    token_rewards, mask, group_index, values=None, *, eps: float = 1e-6, scale: str = "group",
+    singleton: str = "zero",
 ):
     """GRPO (Shao et al. 2024): A_i = (R_i - mean_G R) / (std_G R + eps), unbiased std.
 
-    ``norm_by_std=False`` drops the division (Dr. GRPO, see ``dr_grpo_advantages``).
+    ``scale``: "group" divides by the group's std; "batch" by the unbiased std of the sequence
+    scores of the whole batch (non-empty rows; TRL ``scale_rewards="batch"``; a batch std of 0
+    gives 0); "none" does not divide (Dr. GRPO, see ``dr_grpo_advantages``). Zero-variance
+    groups give 0. ``singleton``: "zero" 0, "raw" R, "unit_std" group mean 0 and std 1, then
+    the scaling above (R / (1 + eps) with "group").
     """
+    _check_choice("scale", scale, SCALE_MODES)
+    _check_choice("singleton", singleton, SINGLETON_MODES)
     valid = _validate(token_rewards, mask)
     scores = sequence_scores(token_rewards, mask)
     g = _groups(group_index, valid)
-    centred = scores - group_mean(scores, g)
-    if norm_by_std:
-        centred = centred / (group_std(scores, g, unbiased=True) + eps)
-    adv = torch.where(_degenerate(scores, g), torch.zeros_like(centred), centred)
+    single = _singletons(g)
+    baseline = group_mean(scores, g)
+    if singleton != "zero":
+        baseline = torch.where(single, torch.zeros_like(baseline), baseline)
+    centred = scores - baseline
+    if scale == "group":
+        std = group_std(scores, g, unbiased=True)
+        if singleton == "unit_std":
+            std = torch.where(single, torch.ones_like(std), std)
+        centred = centred / (std + eps)
+    elif scale == "batch":
+        std = masked_var(scores, valid.any(-1), unbiased=True).sqrt()
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    if singleton == "raw":
+        centred = torch.where(single, scores, centred)
+    adv = torch.where(_degenerate(scores, g, singleton), torch.zeros_like(centred), centred)
     adv = _broadcast(adv, valid)
     return adv, adv.clone()
 
 
 @torch.no_grad()
-def dr_grpo_advantages(token_rewards, mask, group_index, values=None):
-    """Dr. GRPO (Liu et al. 2025): A_i = R_i - mean_G R (no std normalisation)."""
-    return grpo_advantages(token_rewards, mask, group_index, norm_by_std=False)
+def dr_grpo_advantages(token_rewards, mask, group_index, values=None, *, singleton: str = "zero"):
+    """Dr. GRPO (Liu et al. 2025): A_i = R_i - mean_G R (no std normalisation); a group of one
+    gives 0 ("zero") or R ("raw", "unit_std")."""
+    return grpo_advantages(token_rewards, mask, group_index, scale="none", singleton=singleton)
 
 
 @torch.no_grad()
-def rloo_advantages(token_rewards, mask, group_index, values=None):
-    """RLOO (Ahmadian et al. 2024): A_i = R_i - (sum_{j != i} R_j) / (G - 1); 0 when G = 1
-    or when the group's scores are all equal (set explicitly: (sum - R_i) / (G - 1) of equal
-    floats need not round back to R_i)."""
+def rloo_advantages(token_rewards, mask, group_index, values=None, *, singleton: str = "zero"):
+    """RLOO (Ahmadian et al. 2024): A_i = R_i - (sum_{j != i} R_j) / (G - 1); 0 when the
+    group's scores are all equal (set explicitly: (sum - R_i) / (G - 1) of equal floats need
+    not round back to R_i). A group of one (G = 1) gives 0 ("zero") or R with baseline 0
+    ("raw", "unit_std": verl's RLOO)."""
+    _check_choice("singleton", singleton, SINGLETON_MODES)
     valid = _validate(token_rewards, mask)
     scores = sequence_scores(token_rewards, mask)
     g = _groups(group_index, valid)
     n = g.counts[g.inverse].to(scores.dtype)
     others = (group_sum(scores, g)[g.inverse] - scores) / (n - 1).clamp_min(1)
-    adv = torch.where(_degenerate(scores, g), torch.zeros_like(scores), scores - others)
+    others = torch.where(_singletons(g), torch.zeros_like(others), others)
+    adv = torch.where(_degenerate(scores, g, singleton), torch.zeros_like(scores), scores - others)
     adv = _broadcast(adv, valid)
     return adv, adv.clone()
 
@@ -148,7 +201,8 @@ def reinforce_pp_advantages(
 
 @torch.no_grad()
 def reinforce_pp_baseline_advantages(
-    token_rewards, mask, group_index, values=None, *, whiten_eps: float = 1e-8
+    token_rewards, mask, group_index, values=None, *, whiten_eps: float = 1e-8,
+    singleton: str = "zero", keep_degenerate: bool = False,
 ):
     """REINFORCE++-baseline (Hu 2025): A_i = whiten_batch(R_i - mean_G R) over valid tokens.
 
@@ -156,13 +210,18 @@ def reinforce_pp_baseline_advantages(
     batch; afterwards samples of degenerate groups (zero variance, or a single member) are
     set back to 0. Whitening alone would give them -mean/std, a push in the direction of the
     length-weighted batch imbalance although they carry no relative signal.
+    ``keep_degenerate=True`` keeps those whitened values (verl). ``singleton`` "raw" or
+    "unit_std": a group of one is centred with baseline 0 (value R before whitening, verl)
+    and keeps its whitened value.
     """
+    _check_choice("singleton", singleton, SINGLETON_MODES)
     valid = _validate(token_rewards, mask)
     scores = sequence_scores(token_rewards, mask)
     g = _groups(group_index, valid)
-    adv, _ = dr_grpo_advantages(token_rewards, mask, group_index)
+    adv, _ = dr_grpo_advantages(token_rewards, mask, group_index, singleton=singleton)
     adv = masked_whiten(adv, valid, shift_mean=True, eps=whiten_eps)
-    adv = torch.where(_degenerate(scores, g).unsqueeze(-1), torch.zeros_like(adv), adv)
+    if not keep_degenerate:
+        adv = torch.where(_degenerate(scores, g, singleton).unsqueeze(-1), torch.zeros_like(adv), adv)
     return adv, adv.clone()
 
 

@@ -3,11 +3,15 @@
 Full-distribution divergences take logits [B, T, V] (same vocabulary) and return a
 per-token [B, T] tensor; aggregate with ``aggregate_loss``. One signature for the registry::
 
-    fn(student_logits [B,T,V], teacher_logits [B,T,V], *, beta=0.5) -> [B, T]
+    fn(student_logits [B,T,V], teacher_logits [B,T,V], *, beta=0.5, temperature=1.0) -> [B, T]
 
-(``beta`` is used by "generalized_jsd" only). The teacher is a constant: its logits are
-detached. Logits may be -inf for banned tokens; such tokens contribute 0, except that
-reverse KL is +inf when the student puts mass where the teacher has none (that is its value).
+(``beta`` is used by "generalized_jsd" only). Both distributions are softmax(logits / T),
+T = ``temperature`` > 0 (TRL GKD's convention); the result is *not* multiplied by T^2.
+Hinton-style KD multiplies the soft-target loss by T^2 so its gradient keeps the T = 1
+scale; a caller that wants that puts T^2 into its coefficient. The teacher is a constant:
+its logits are detached. Logits may be -inf for banned tokens; such tokens contribute 0,
+except that reverse KL is +inf when the student puts mass where the teacher has none (that
+is its value).
 
 Sample-based forms work on the log-probs of the sampled tokens only (no vocabulary pass):
 ``reverse_kl_sampled`` for on-policy distillation and ``kdrl_k2_loss`` for KDRL.
@@ -16,6 +20,7 @@ Sample-based forms work on the log-probs of the sampled tokens only (no vocabula
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -29,16 +34,31 @@ DivergenceFn = Callable[..., torch.Tensor]
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _log_softmax(logits: torch.Tensor, name: str) -> torch.Tensor:
-    # -inf is allowed (banned tokens); NaN and +inf are not.
+def _check_temperature(temperature) -> float:
+    ok = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+    if not (ok and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def _log_softmax(logits: torch.Tensor, name: str, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) over the last dim, in float32 for half inputs."""
+    # -inf is allowed (banned tokens; -inf / T stays -inf); NaN and +inf are not.
     if finite_checks_enabled() and bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
         raise ValueError(f"{name} contain NaN or +inf")
-    return torch.log_softmax(logits.float() if logits.dtype in _HALF else logits, dim=-1)
+    x = logits.float() if logits.dtype in _HALF else logits
+    if temperature != 1.0:  # upcast first: dividing in half precision would round again
+        x = x / temperature
+    return torch.log_softmax(x, dim=-1)
 
 
-def _pair(student_logits, teacher_logits):
+def _pair(student_logits, teacher_logits, temperature=1.0):
+    t = _check_temperature(temperature)
     check_shape("teacher_logits", teacher_logits, student_logits.shape, "student_logits")
-    return _log_softmax(student_logits, "student_logits"), _log_softmax(teacher_logits.detach(), "teacher_logits")
+    return (
+        _log_softmax(student_logits, "student_logits", t),
+        _log_softmax(teacher_logits.detach(), "teacher_logits", t),
+    )
 
 
 def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -50,21 +70,28 @@ def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return (p * diff).sum(-1)
 
 
-def reverse_kl(student_logits, teacher_logits):
-    """Reverse KL (mode seeking; on-policy distillation): KL(p_s || p_t) = sum_v p_s (log p_s - log p_t)."""
-    ls, lt = _pair(student_logits, teacher_logits)
+def reverse_kl(student_logits, teacher_logits, *, temperature: float = 1.0):
+    """Reverse KL (mode seeking; on-policy distillation): KL(p_s || p_t) = sum_v p_s (log p_s - log p_t).
+
+    p = softmax(logits / temperature) for both; no T^2 factor (see the module docstring).
+    """
+    ls, lt = _pair(student_logits, teacher_logits, temperature)
     return _kl(ls, lt)
 
 
-def forward_kl(student_logits, teacher_logits):
-    """Forward KL (mean seeking; classic KD): KL(p_t || p_s) = sum_v p_t (log p_t - log p_s)."""
-    ls, lt = _pair(student_logits, teacher_logits)
+def forward_kl(student_logits, teacher_logits, *, temperature: float = 1.0):
+    """Forward KL (mean seeking; classic KD): KL(p_t || p_s) = sum_v p_t (log p_t - log p_s).
+
+    p = softmax(logits / temperature) for both; no T^2 factor: Hinton et al. (2015) multiply
+    this soft-target term by T^2, which the caller does with its coefficient.
+    """
+    ls, lt = _pair(student_logits, teacher_logits, temperature)
     return _kl(lt, ls)
 
 
-def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5):
+def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5, *, temperature: float = 1.0):
     """Generalised JSD (GKD, Agarwal et al. 2024): beta KL(p_t || m) + (1 - beta) KL(p_s || m),
-    m = beta p_t + (1 - beta) p_s.
+    m = beta p_t + (1 - beta) p_s, p = softmax(logits / temperature); no T^2 factor.
 
     beta = 0.5 is the symmetric JSD (bounded by log 2). Near beta = 0 it behaves like
     beta * forward KL, near 1 like (1 - beta) * reverse KL; at exactly 0 or 1 it is
@@ -72,7 +99,7 @@ def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5):
     """
     if not 0.0 < beta < 1.0:
         raise ValueError(f"generalized_jsd needs 0 < beta < 1 (got {beta!r}); use forward_kl/reverse_kl at the ends")
-    ls, lt = _pair(student_logits, teacher_logits)
+    ls, lt = _pair(student_logits, teacher_logits, temperature)
     # Where both distributions ban a token, logsumexp sees only -inf and its gradient is NaN;
     # m has no mass there and neither KL term reads it, so any finite placeholder will do.
     support = torch.isfinite(lt) | torch.isfinite(ls)
@@ -83,15 +110,18 @@ def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5):
 
 
 DISTILL_DIVERGENCES: dict[str, DivergenceFn] = {
-    "reverse_kl": lambda s, t, *, beta=0.5: reverse_kl(s, t),
-    "forward_kl": lambda s, t, *, beta=0.5: forward_kl(s, t),
-    "generalized_jsd": lambda s, t, *, beta=0.5: generalized_jsd(s, t, beta),
+    "reverse_kl": lambda s, t, *, beta=0.5, temperature=1.0: reverse_kl(s, t, temperature=temperature),
+    "forward_kl": lambda s, t, *, beta=0.5, temperature=1.0: forward_kl(s, t, temperature=temperature),
+    "generalized_jsd": lambda s, t, *, beta=0.5, temperature=1.0: generalized_jsd(
+        s, t, beta, temperature=temperature
+    ),
 }
 
 
-def distill_divergence(name: str, student_logits, teacher_logits, *, beta: float = 0.5):
-    """``DISTILL_DIVERGENCES[name](student_logits, teacher_logits, beta=beta)`` -> [B, T]."""
-    return lookup(DISTILL_DIVERGENCES, name, "distillation divergence")(student_logits, teacher_logits, beta=beta)
+def distill_divergence(name: str, student_logits, teacher_logits, *, beta: float = 0.5, temperature: float = 1.0):
+    """``DISTILL_DIVERGENCES[name](student_logits, teacher_logits, beta=beta, temperature=temperature)`` -> [B, T]."""
+    fn = lookup(DISTILL_DIVERGENCES, name, "distillation divergence")
+    return fn(student_logits, teacher_logits, beta=beta, temperature=temperature)
 
 
 def reverse_kl_sampled(student_logp, teacher_logp):

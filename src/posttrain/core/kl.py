@@ -10,9 +10,29 @@ evaluated at a token sampled from pi_theta:
                                grad KL(pi_theta || pi_ref) on on-policy samples
   k3 = exp(d) - d - 1          unbiased, non-negative, low variance value; as a loss its
                                expected gradient is grad KL(pi_ref || pi_theta) (GRPO's choice)
+  abs = |d|                    verl's "abs" estimator (a biased value, bounded slope)
   k3_unbiased = w * k3         DeepSeek-V3.2 eq. 7 for samples drawn from pi_old, with
                                w = pi_theta / pi_old; the weight carries gradient, which is what
                                makes E_old[grad(w k3)] = grad KL(pi_theta || pi_ref) exactly
+
+Clamps (keyword options of the estimators; ``None`` = no clamp):
+
+  value_clamp c       result clamped to [-c, c]. Default None for k1, k2, abs; 10 for k3 and
+                      k3_unbiased. OpenRLHF clamps k1/k2/k3 to +-10; TRL and verl do not clamp
+                      k1/k2/abs (verl clamps k3 to +-10).
+  log_ratio_clamp c   (k3, k3_unbiased) d and log(pi_theta/pi_old) clamped to [-c, c] before
+                      ``exp``. Default 20 (ours). OpenRLHF: None (value clamp only); TRL: None
+                      together with value_clamp None (unclamped k3, and TRL's
+                      ``use_bias_correction_kl`` = k3_unbiased with both None).
+
+Gradient surrogates (``kl_straight_through``; forward value of one estimator, gradient of
+sg(w) * k2):
+
+  straight-through    w = 1: value of k1/k3 (logging, in-reward use), exact on-policy gradient of
+                      k2 ("k1_st", "k3_st", ``kl_penalty(..., straight_through=True)``)
+  unbiased gradient   w = min(pi_theta / pi_old, cap), detached (OpenRLHF
+                      ``--algo.kl.unbiased_gradient``, cap 10): E_old[grad] = grad KL(pi_theta
+                      || pi_ref) off-policy too (``kl_penalty(..., unbiased_gradient=True)``)
 
 ``ref_logp`` and ``old_logp`` are constants: they are detached here, so gradient only ever
 flows through ``logp``.
@@ -20,6 +40,7 @@ flows through ``logp``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -38,14 +59,45 @@ def clamped_log_ratio(logp: torch.Tensor, other_logp: torch.Tensor, clamp: float
     return torch.clamp(logp - other_logp.detach(), -clamp, clamp)
 
 
-def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """k1 = log pi_theta - log pi_ref (Schulman 2020)."""
-    return logp - ref_logp.detach()
+def _check_clamp(name: str, c: float | None) -> None:
+    if c is not None and not c > 0:
+        raise ValueError(f"{name} must be a positive number or None (no clamp), got {c!r}")
 
 
-def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """k2 = 0.5 (log pi_theta - log pi_ref)^2 (Schulman 2020)."""
-    return 0.5 * (logp - ref_logp.detach()) ** 2
+def _clamp_value(k: torch.Tensor, value_clamp: float | None) -> torch.Tensor:
+    """clamp(k, -c, c); ``None`` leaves k as it is."""
+    _check_clamp("value_clamp", value_clamp)
+    return k if value_clamp is None else torch.clamp(k, -value_clamp, value_clamp)
+
+
+def _clamp_log_ratio(x: torch.Tensor, log_ratio_clamp: float | None) -> torch.Tensor:
+    """clamp(x, -c, c) for a log-ratio x; ``None`` leaves it as it is."""
+    _check_clamp("log_ratio_clamp", log_ratio_clamp)
+    return x if log_ratio_clamp is None else torch.clamp(x, -log_ratio_clamp, log_ratio_clamp)
+
+
+def kl_k1(
+    logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor | None = None, *,
+    value_clamp: float | None = None,
+) -> torch.Tensor:
+    """k1 = log pi_theta - log pi_ref (Schulman 2020), clamped to +-value_clamp if given."""
+    return _clamp_value(logp - ref_logp.detach(), value_clamp)
+
+
+def kl_k2(
+    logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor | None = None, *,
+    value_clamp: float | None = None,
+) -> torch.Tensor:
+    """k2 = 0.5 (log pi_theta - log pi_ref)^2 (Schulman 2020), clamped to +-value_clamp if given."""
+    return _clamp_value(0.5 * (logp - ref_logp.detach()) ** 2, value_clamp)
+
+
+def kl_abs(
+    logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor | None = None, *,
+    value_clamp: float | None = None,
+) -> torch.Tensor:
+    """abs = |log pi_theta - log pi_ref| (verl's "abs"), clamped to +-value_clamp if given."""
+    return _clamp_value(torch.abs(logp - ref_logp.detach()), value_clamp)
 
 
 def kl_k3(
@@ -53,20 +105,23 @@ def kl_k3(
     ref_logp: torch.Tensor,
     old_logp: torch.Tensor | None = None,
     *,
-    log_ratio_clamp: float = 20.0,
-    value_clamp: float = 10.0,
+    log_ratio_clamp: float | None = 20.0,
+    value_clamp: float | None = 10.0,
 ) -> torch.Tensor:
     """k3 = exp(d) - d - 1, d = clamp(log pi_ref - log pi_theta, +-20); result clamped to +-10.
 
     Both clamps follow the reference implementations: the first keeps ``exp`` finite, the
     second bounds the penalty of tokens the policy has almost abandoned (k3 grows like e^d).
-    Clamped entries carry no gradient.
+    Clamped entries carry no gradient. ``None`` turns a clamp off (both None: TRL's k3).
+    With a value clamp c, d is also capped at log(4(c + 1)), beyond which k3 > c anyway: the
+    same values, but no overflowing ``exp`` whose inf would turn the zero gradient into NaN.
     """
-    if log_ratio_clamp is None or log_ratio_clamp <= 0:
-        raise ValueError(f"log_ratio_clamp must be a positive number, got {log_ratio_clamp!r}")
-    d = torch.clamp(ref_logp.detach() - logp, -log_ratio_clamp, log_ratio_clamp)
+    d = _clamp_log_ratio(ref_logp.detach() - logp, log_ratio_clamp)
+    _check_clamp("value_clamp", value_clamp)
+    if value_clamp is not None and math.isfinite(value_clamp):
+        d = torch.clamp(d, max=math.log(4.0 * (value_clamp + 1.0)))
     k = torch.exp(d) - d - 1.0
-    return torch.clamp(k, -value_clamp, value_clamp)
+    return _clamp_value(k, value_clamp)
 
 
 def kl_k3_unbiased(
@@ -74,10 +129,15 @@ def kl_k3_unbiased(
     ref_logp: torch.Tensor,
     old_logp: torch.Tensor | None = None,
     *,
-    log_ratio_clamp: float = 20.0,
+    log_ratio_clamp: float | None = 20.0,
+    value_clamp: float | None = 10.0,
     detach_weight: bool = False,
 ) -> torch.Tensor:
     """k3_unbiased = (pi_theta / pi_old) * k3 (DeepSeek-V3.2, eq. 7), for samples from pi_old.
+
+    w = exp(clamp(log pi_theta - log pi_old, +-log_ratio_clamp)); k3 takes the same
+    ``log_ratio_clamp`` and ``value_clamp`` (the product itself is not clamped). Both None:
+    TRL's ``use_bias_correction_kl``, (exp(ref - logp) - (ref - logp) - 1) * exp(logp - old).
 
     The IS weight keeps its gradient by default: grad(w k3) = w log(pi_theta/pi_ref) grad log
     pi_theta, the importance-weighted exact KL gradient. Detaching it (``detach_weight=True``)
@@ -85,39 +145,79 @@ def kl_k3_unbiased(
     """
     if old_logp is None:
         raise ValueError("KL estimator 'k3_unbiased' needs old_logp (log-probs of the sampling policy)")
-    w = torch.exp(clamped_log_ratio(logp, old_logp, log_ratio_clamp))
+    w = torch.exp(_clamp_log_ratio(logp - old_logp.detach(), log_ratio_clamp))
     if detach_weight:
         w = w.detach()
-    return w * kl_k3(logp, ref_logp, log_ratio_clamp=log_ratio_clamp)
+    return w * kl_k3(logp, ref_logp, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp)
 
 
-def kl_straight_through(value_fn: KLFn, grad_fn: KLFn = kl_k2) -> KLFn:
-    """Estimator whose forward value is ``value_fn`` and whose gradient is ``grad_fn`` (k2):
-    kl = g + sg(v - g). Gives e.g. k3's unbiased, low-variance *value* (for logging and
-    in-reward use) with k2's exact on-policy *gradient*."""
+def kl_straight_through(
+    value_fn: KLFn,
+    grad_fn: KLFn = kl_k2,
+    *,
+    importance_weighted: bool = False,
+    is_weight_cap: float | None = 10.0,
+) -> KLFn:
+    """Estimator whose forward value is ``value_fn`` and whose gradient is that of sg(w) * ``grad_fn``:
+    kl = sg(v) + (g - sg(g)), g = sg(w) * grad_fn (the value is v exactly, no round-off).
 
-    def straight_through(logp, ref_logp, old_logp=None):
+    w = 1 by default: e.g. k3's unbiased, low-variance *value* (for logging and in-reward use)
+    with k2's exact on-policy *gradient*. ``importance_weighted``: w = min(pi_theta / pi_old,
+    is_weight_cap) (no cap if None; w = 1 when old_logp is None), which makes the gradient
+    unbiased for samples from pi_old too (OpenRLHF's unbiased KL gradient, see
+    ``kl_unbiased_gradient``). Options of the returned estimator go to ``value_fn``.
+    """
+    if importance_weighted:
+        _check_clamp("is_weight_cap", is_weight_cap)
+
+    def estimator(logp, ref_logp, old_logp=None, **options):
+        v = value_fn(logp, ref_logp, old_logp, **options)
         g = grad_fn(logp, ref_logp, old_logp)
-        v = value_fn(logp, ref_logp, old_logp)
-        return g + (v - g).detach()
+        if importance_weighted and old_logp is not None:
+            w = torch.exp(logp.detach() - old_logp.detach())
+            if is_weight_cap is not None:
+                w = torch.clamp(w, max=is_weight_cap)
+            g = w * g
+        return v.detach() + (g - g.detach())
 
-    straight_through.__name__ = f"{getattr(value_fn, '__name__', 'kl')}_st"
-    straight_through.__doc__ = f"value of {value_fn.__name__}, gradient of {grad_fn.__name__}"
-    return straight_through
+    suffix = "ug" if importance_weighted else "st"
+    estimator.__name__ = f"{getattr(value_fn, '__name__', 'kl')}_{suffix}"
+    estimator.__doc__ = (
+        f"value of {getattr(value_fn, '__name__', 'kl')}, gradient of "
+        f"{'sg(min(pi/pi_old, cap)) * ' if importance_weighted else ''}{getattr(grad_fn, '__name__', 'kl')}"
+    )
+    estimator.__wrapped__ = value_fn  # inspect.signature -> value_fn's options
+    return estimator
 
 
-# One signature: fn(logp [B,T], ref_logp [B,T], old_logp [B,T] | None) -> per-token [B,T].
-# "<name>_st" = value of <name>, gradient of k2 (see kl_straight_through).
+def kl_unbiased_gradient(value_fn: KLFn, *, is_weight_cap: float | None = 10.0) -> KLFn:
+    """OpenRLHF's unbiased KL gradient: value of ``value_fn``, gradient of
+    sg(min(pi_theta / pi_old, cap)) * k2 with k2 unclamped (w = 1 without old_logp).
+
+    On samples from pi_old, E[sg(w) grad k2] = E_theta[(log pi_theta - log pi_ref) grad log
+    pi_theta] = grad KL(pi_theta || pi_ref) while the cap is inactive."""
+    return kl_straight_through(value_fn, kl_k2, importance_weighted=True, is_weight_cap=is_weight_cap)
+
+
+# One signature: fn(logp [B,T], ref_logp [B,T], old_logp [B,T] | None, **options) -> per-token [B,T].
+# "<name>_st" = value of <name> (taking <name>'s options), gradient of k2 (see kl_straight_through).
 # The config option "none" means no KL term at all: the algorithm skips this path (and the
 # reference model), so it has no entry here.
 KL_ESTIMATORS: dict[str, KLFn] = {
     "k1": kl_k1,
     "k2": kl_k2,
     "k3": kl_k3,
+    "abs": kl_abs,
     "k3_unbiased": kl_k3_unbiased,
     "k1_st": kl_straight_through(kl_k1),
     "k3_st": kl_straight_through(kl_k3),
 }
+
+
+def _estimator_options(fn: KLFn) -> set[str]:
+    """Names of the keyword-only options ``fn`` takes (a wrapped estimator: its value function's)."""
+    params = inspect.signature(fn).parameters.values()
+    return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def kl_penalty(
@@ -128,11 +228,26 @@ def kl_penalty(
     *,
     mask: torch.Tensor | None = None,
     straight_through: bool = False,
+    unbiased_gradient: bool = False,
+    is_weight_cap: float | None = 10.0,
+    **estimator_options,
 ) -> torch.Tensor:
-    """Per-token KL estimate ``KL_ESTIMATORS[name]``; with ``straight_through`` its gradient
-    is replaced by k2's. With ``mask`` the inputs are checked for NaN/inf at valid tokens and
-    padded positions of the result are 0."""
+    """Per-token KL estimate ``KL_ESTIMATORS[name](..., **estimator_options)``.
+
+    ``straight_through``: the gradient is replaced by k2's. ``unbiased_gradient``: by that of
+    sg(min(pi/pi_old, is_weight_cap)) * k2 (OpenRLHF; w = 1 without old_logp). The value stays
+    the estimator's either way. With ``mask`` the inputs are checked for NaN/inf at valid tokens
+    and padded positions of the result are 0. An option the estimator does not take (e.g.
+    ``log_ratio_clamp`` for k1) raises a ValueError.
+    """
     fn = lookup(KL_ESTIMATORS, name, "KL estimator")
+    accepted = _estimator_options(fn)
+    for option in estimator_options:
+        if option not in accepted:
+            valid = ", ".join(sorted(accepted)) or "none"
+            raise ValueError(f"KL estimator {name!r} takes no option {option!r}; its options: {valid}")
+    if straight_through and unbiased_gradient:
+        raise ValueError("straight_through and unbiased_gradient are exclusive (both replace the gradient)")
     check_shape("ref_logp", ref_logp, logp.shape, "logp")
     if old_logp is not None:
         check_shape("old_logp", old_logp, logp.shape, "logp")
@@ -148,7 +263,9 @@ def kl_penalty(
             old_logp = zero_padding(old_logp, mask)
     if straight_through and not name.endswith("_st"):
         fn = kl_straight_through(fn)
-    kl = fn(logp, ref_logp, old_logp)
+    if unbiased_gradient:
+        fn = kl_unbiased_gradient(fn, is_weight_cap=is_weight_cap)
+    kl = fn(logp, ref_logp, old_logp, **estimator_options)
     if mask is not None:
         kl = torch.where(valid_mask(mask), kl, torch.zeros_like(kl))
     return kl

@@ -86,3 +86,14 @@ def masked_whiten(
     if not shift_mean:
         out = out + mean
     return torch.where(valid, out, torch.zeros_like(out))
+
+
+def drop_truncated(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """Overlong filtering (DAPO; TRL ``mask_truncated_completions``): ``mask`` with the rows of
+    truncated responses (``truncated`` [B] bool) set to padding, so that they leave the loss
+    and its token counts. Whether such a now-empty row still counts as a sequence is the
+    aggregation's ``count_empty_rows`` choice (TRL counts it, verl and OpenRLHF do not)."""
+    if truncated.shape != mask.shape[:1]:
+        raise ValueError(f"truncated has shape {tuple(truncated.shape)} but mask has {mask.shape[0]} rows")
+    keep = ~truncated.to(torch.bool, copy=False).unsqueeze(-1)
+    return torch.where(keep, mask, torch.zeros_like(mask))

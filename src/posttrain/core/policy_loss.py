@@ -3,28 +3,62 @@
 One signature for the whole family::
 
     fn(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
-       agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_constant=None,
-       log_ratio_clamp=20.0, seq_mask=None) -> (loss scalar, stats dict of detached scalars)
+       delta=None, log_ratio_clamp=20.0, seq_log_ratio_clamp=None, ratio_level="token",
+       tau_pos=1.0, tau_neg=1.05, agg_mode="token-mean", num_tokens=None, num_seqs=None,
+       norm_constant=None, dp_size=1, count_empty_rows=False, seq_mask=None)
+       -> (loss scalar, stats dict of detached scalars)
 
 All tensors are [B, T] except ``seq_mask`` [B]. The loss is a quantity to *minimise*
-(the negated surrogate objective). ``clip_low``/``clip_high`` = None removes that side of
-the clip. Token log-ratios are clamped to +-``log_ratio_clamp`` before ``exp``.
+(the negated surrogate objective). r = pi_theta / pi_old, A = advantages, sg = stop-gradient.
+
+Each loss reads only some of the options; a non-default value for one it does not read
+raises ``ValueError`` naming the loss and the option (dual_clip on gspo is a config error,
+not a silent no-op):
+
+  option               read by               meaning
+  clip_low, clip_high  ppo_clip gspo cispo   clip(r, 1 - clip_low, 1 + clip_high); None removes that side
+  dual_clip            ppo_clip              c > 1: the loss of A < 0 tokens is capped at -c A
+  delta                ppo_clip gspo         the unclipped ratio inside the min is capped at delta
+                                             (> 1 + clip_high): -min(min(r, delta) A, clip(r) A)
+  log_ratio_clamp      all                   token log-ratio clamped to +-c before exp; None: no clamp
+                                             (reinforce: feeds only the stats)
+  seq_log_ratio_clamp  gspo, cispo with       sequence log-ratio clamped from above (<= c) after the
+                       ratio_level=sequence  length-normalised mean; clamped tokens get no gradient
+  ratio_level          cispo                 "token" (r_it) | "sequence" (GSPO's s_i for every token)
+  tau_pos, tau_neg     sapo                  gate temperature where A > 0 / A <= 0
+  agg_mode, num_tokens, num_seqs, norm_constant, dp_size, count_empty_rows
+                       all                   ``aggregate_loss`` (aggregation.py)
 
 ``seq_mask`` (e.g. from ``offpolicy_sequence_mask``) zeroes whole sequences' terms while
 leaving the normalising counts unchanged, as in DeepSeek-V3.2's masked objective.
 
-Stats (over the valid, unmasked tokens of this call):
-  clip_frac_low   tokens whose gradient is cut by the lower clip (A < 0, r < 1 - eps_low)
-  clip_frac_high  tokens whose gradient is cut by the upper clip (A > 0, r > 1 + eps_high)
-                  (for CISPO: tokens whose IS weight is clipped, whatever the sign of A)
-  clip_frac       their sum
-  approx_kl       mean of k3 for KL(pi_old || pi_theta): r - 1 - log r (>= 0, low variance)
-  ratio_mean      mean token ratio (GSPO: mean sequence ratio over sequences)
+Stats (over the valid, unmasked tokens of this call; peers' names in brackets):
+  clip_frac_low       tokens whose gradient is cut by the lower clip (A < 0, r < 1 - eps_low)
+                      [TRL clip_ratio/low_mean]
+  clip_frac_high      tokens whose gradient is cut by the upper clip (A > 0, r > 1 + eps_high)
+                      (for CISPO: tokens whose IS weight is clipped from above, whatever the sign
+                      of A) [TRL clip_ratio/high_mean]
+  clip_frac           their sum. ppo_clip, gspo: mean of [-A clip(r) > -A r] [verl pg_clipfrac,
+                      OpenRLHF clip_ratio, TRL clip_ratio/region_mean]; cispo: mean of
+                      [r != clip(r)] [verl pg_clipfrac]; 0 for sapo and reinforce
+  clip_frac_high_pos  cispo: tokens with A > 0 whose weight is clipped from above, over all
+                      tokens [TRL cispo_clip_ratio, there per sequence at sequence level]
+  dual_clip_frac      ppo_clip with dual_clip: tokens with A < 0 whose loss is capped at -c A,
+                      mean of [max(-rA, -clip(r)A) > -cA and A < 0] [verl pg_clipfrac_lower]
+  ppo_kl              mean of -log r = mean(log pi_old - log pi_theta), the k1 estimate of
+                      KL(pi_old || pi_theta) from the token log-ratio after log_ratio_clamp
+                      [verl ppo_kl; OpenRLHF ppo_kl, which takes the unclamped log-ratio]
+  approx_kl           mean of k3 for KL(pi_old || pi_theta): r - 1 - log r (>= 0, low variance)
+  ratio_mean          mean token ratio (gspo, sequence-level cispo: mean sequence ratio over
+                      sequences)
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -34,6 +68,77 @@ from .kl import clamped_log_ratio
 from .masked import masked_mean, zero_padding
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """The keyword options every policy loss takes (``seq_mask`` aside), with their defaults."""
+
+    clip_low: float | None = 0.2
+    clip_high: float | None = 0.2
+    dual_clip: float | None = None
+    delta: float | None = None
+    log_ratio_clamp: float | None = 20.0
+    seq_log_ratio_clamp: float | None = None
+    ratio_level: str = "token"
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    agg_mode: str = "token-mean"
+    num_tokens: Any = None
+    num_seqs: Any = None
+    norm_constant: float | None = None
+    dp_size: int = 1
+    count_empty_rows: bool = False
+
+
+_DEFAULTS = {f.name: f.default for f in fields(PolicyLossOptions)}
+# Options read by one loss or another; the rest (aggregation) are read by every loss.
+_LOSS_OPTIONS = ("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp", "seq_log_ratio_clamp",
+                 "ratio_level", "tau_pos", "tau_neg")
+_AGGREGATION_OPTIONS = ("num_tokens", "num_seqs", "norm_constant", "dp_size", "count_empty_rows")
+RATIO_LEVELS = ("token", "sequence")
+
+
+def _signature() -> inspect.Signature:
+    p = inspect.Parameter
+    args = [p(name, p.POSITIONAL_OR_KEYWORD) for name in ("logp", "old_logp", "advantages", "mask")]
+    options = [p(name, p.KEYWORD_ONLY, default=default) for name, default in _DEFAULTS.items()]
+    return inspect.Signature([*args, *options, p("seq_mask", p.KEYWORD_ONLY, default=None)])
+
+
+_SIGNATURE = _signature()
+
+
+def _reject_options(loss: str, o: PolicyLossOptions, names, context: str = "") -> None:
+    """ValueError for the first option in ``names`` that is set to a non-default value."""
+    for name in names:
+        value, default = getattr(o, name), _DEFAULTS[name]
+        if value is not default and value != default:
+            raise ValueError(
+                f"policy loss {loss!r}{context} does not use {name} (got {value!r}); leave it at {default!r}"
+            )
+
+
+def _check_values(o: PolicyLossOptions) -> None:
+    for name in ("clip_low", "clip_high"):
+        eps = getattr(o, name)
+        if eps is not None and not eps >= 0:
+            raise ValueError(f"{name} must be >= 0 or None, got {eps!r}")
+    if o.dual_clip is not None and not o.dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {o.dual_clip!r}")
+    if o.delta is not None:
+        bound = 1.0 + (o.clip_high or 0.0)
+        if not o.delta > bound:
+            raise ValueError(f"delta must be > 1 + clip_high = {bound!r} (or None), got {o.delta!r}")
+    for name in ("log_ratio_clamp", "seq_log_ratio_clamp"):
+        c = getattr(o, name)
+        if c is not None and not c > 0:
+            raise ValueError(f"{name} must be a positive number or None (no clamp), got {c!r}")
+    if o.ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {o.ratio_level!r}")
+    for name in ("tau_pos", "tau_neg"):
+        if not getattr(o, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(o, name)!r}")
 
 
 def _validate(logp, old_logp, advantages, mask, seq_mask):
@@ -58,17 +163,55 @@ def _validate(logp, old_logp, advantages, mask, seq_mask):
     return logp, old_logp, advantages, used
 
 
-def _need_old(loss, old_logp):
-    if old_logp is None:
-        raise ValueError(f"policy loss {loss!r} needs old_logp (log-probs of the sampling policy)")
+def _policy_loss(name: str, *, uses: tuple[str, ...], needs_old: bool = True):
+    """Turn ``terms(logp, old_logp, a, mask, used, o) -> (loss_mat, stats)`` into the policy loss
+    ``name`` with the shared signature. The wrapper does what every loss shares: it rejects
+    unknown options and options outside ``uses`` that are set, checks the option values and the
+    tensors (zeroing padding), and masks, aggregates and detaches. ``terms`` gets the padded
+    inputs with ``a`` = sg[advantages] and returns the per-token loss and its stats."""
+    unused = tuple(option for option in _LOSS_OPTIONS if option not in uses)
+
+    def wrap(terms):
+        def loss_fn(logp, old_logp, advantages, mask, *, seq_mask=None, **options):
+            unknown = sorted(set(options) - set(_DEFAULTS))
+            if unknown:
+                raise TypeError(f"policy loss {name!r} got unknown option(s) {unknown}; options: {sorted(_DEFAULTS)}")
+            o = PolicyLossOptions(**options)
+            _reject_options(name, o, unused)
+            _check_values(o)
+            if needs_old and old_logp is None:
+                raise ValueError(f"policy loss {name!r} needs old_logp (log-probs of the sampling policy)")
+            logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
+            loss_mat, stats = terms(logp, old_logp, advantages.detach(), mask, used, o)
+            # Terms of masked-out sequences are zeroed, but the counts come from the full ``mask``.
+            loss_mat = torch.where(used, loss_mat, torch.zeros_like(loss_mat))
+            aggregation = {k: getattr(o, k) for k in _AGGREGATION_OPTIONS}
+            loss = aggregate_loss(loss_mat, mask, o.agg_mode, **aggregation)
+            return loss, {k: v.detach() for k, v in stats.items()}
+
+        loss_fn.__name__ = loss_fn.__qualname__ = terms.__name__
+        loss_fn.__doc__ = terms.__doc__
+        loss_fn.__module__ = terms.__module__
+        loss_fn.__signature__ = _SIGNATURE
+        return loss_fn
+
+    return wrap
 
 
-def _clip_bounds(clip_low, clip_high):
-    for name, eps in (("clip_low", clip_low), ("clip_high", clip_high)):
-        if eps is not None and not eps >= 0:
-            raise ValueError(f"{name} must be >= 0 or None, got {eps!r}")
-    lo = None if clip_low is None else 1.0 - clip_low
-    hi = None if clip_high is None else 1.0 + clip_high
+def _log_ratio(logp, old_logp, clamp):
+    """log r = logp - sg[old_logp], clamped to +-clamp before any exp; None: unclamped (TRL)."""
+    if clamp is None:
+        return logp - old_logp.detach()
+    return clamped_log_ratio(logp, old_logp, clamp)
+
+
+def _upper_clamp(x, c):
+    return x if c is None else torch.clamp(x, max=c)
+
+
+def _clip_bounds(o: PolicyLossOptions):
+    lo = None if o.clip_low is None else 1.0 - o.clip_low
+    hi = None if o.clip_high is None else 1.0 + o.clip_high
     return lo, hi
 
 
@@ -76,13 +219,18 @@ def _clip(x, lo, hi):
     return x if lo is None and hi is None else torch.clamp(x, min=lo, max=hi)
 
 
-def _finish(loss_mat, mask, used, agg_mode, num_tokens, num_seqs, norm_constant, stats):
-    # Terms of masked-out sequences are zeroed, but the counts come from the full ``mask``.
-    loss_mat = torch.where(used, loss_mat, torch.zeros_like(loss_mat))
-    loss = aggregate_loss(
-        loss_mat, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant
-    )
-    return loss, {k: v.detach() for k, v in stats.items()}
+def _clipped_surrogate(ratio, a, lo, hi, delta):
+    """max(-min(r, delta) A, -clip(r) A) = -min(min(r, delta) A, clip(r) A); delta None: r."""
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    return torch.maximum(-a * unclipped, -a * _clip(ratio, lo, hi))
+
+
+def _clip_cuts(r, a, lo, hi, used):
+    """Tokens whose gradient the lower / upper clip cuts: (A < 0, r < lo), (A > 0, r > hi)."""
+    none = torch.zeros_like(used)
+    low = (a < 0) & (r < lo) if lo is not None else none
+    high = (a > 0) & (r > hi) if hi is not None else none
+    return low, high
 
 
 def _ratio_stats(log_ratio, used, low_cut, high_cut):
@@ -93,135 +241,140 @@ def _ratio_stats(log_ratio, used, low_cut, high_cut):
         "clip_frac": low + high,
         "clip_frac_low": low,
         "clip_frac_high": high,
+        "ppo_kl": masked_mean(-log_ratio, used),
         "approx_kl": masked_mean(ratio - 1.0 - log_ratio, used),
         "ratio_mean": masked_mean(ratio, used),
     }
 
 
-def ppo_clip_loss(
-    logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
-    agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_constant=None,
-    log_ratio_clamp=20.0, seq_mask=None,
-):
+@_policy_loss("ppo_clip", uses=("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp"))
+def ppo_clip_loss(logp, old_logp, a, mask, used, o):
     """PPO-clip (Schulman et al. 2017) with clip-higher (DAPO) and dual clip (Ye et al. 2020):
     l_t = max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)  (= -min(r A, clip(r) A));
     dual clip (c > 1), A < 0 only: l_t = min(max(-r A, -clip(r) A), -c A), i.e. the objective
-    is max(min(r A, clip(r) A), c A). Tokens with A >= 0 are unaffected by c."""
-    _need_old("ppo_clip", old_logp)
-    logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip!r}")
-    lo, hi = _clip_bounds(clip_low, clip_high)
-    log_ratio = clamped_log_ratio(logp, old_logp, log_ratio_clamp)
+    is max(min(r A, clip(r) A), c A). Tokens with A >= 0 are unaffected by c.
+    ``delta`` (TRL's two-sided clipping, INTELLECT-2) caps the unclipped ratio:
+    l_t = -min(min(r, delta) A, clip(r) A)."""
+    lo, hi = _clip_bounds(o)
+    log_ratio = _log_ratio(logp, old_logp, o.log_ratio_clamp)
     ratio = torch.exp(log_ratio)
-    a = advantages.detach()
-    unclipped = -a * ratio
-    clipped = -a * _clip(ratio, lo, hi)
-    loss_mat = torch.maximum(unclipped, clipped)  # = -min(r A, clip(r) A)
-    r = ratio.detach()
-    low_cut = (a < 0) & (r < lo) if lo is not None else torch.zeros_like(used)
-    high_cut = (a > 0) & (r > hi) if hi is not None else torch.zeros_like(used)
-    stats = _ratio_stats(log_ratio.detach(), used, low_cut, high_cut)
-    if dual_clip is not None:
+    loss_mat = _clipped_surrogate(ratio, a, lo, hi, o.delta)
+    stats = _ratio_stats(log_ratio.detach(), used, *_clip_cuts(ratio.detach(), a, lo, hi, used))
+    if o.dual_clip is not None:
         # For A < 0 a huge ratio makes -rA unbounded; cap the loss at -c A (c > 1).
-        capped = torch.minimum(loss_mat, -a * dual_clip)
-        dual_cut = (a < 0) & (loss_mat.detach() > (-a * dual_clip))
+        capped = torch.minimum(loss_mat, -a * o.dual_clip)
+        dual_cut = (a < 0) & (loss_mat.detach() > (-a * o.dual_clip))
         loss_mat = torch.where(a < 0, capped, loss_mat)
         stats["dual_clip_frac"] = masked_mean(dual_cut.to(logp.dtype), used)
-    return _finish(loss_mat, mask, used, agg_mode, num_tokens, num_seqs, norm_constant, stats)
+    return loss_mat, stats
 
 
-def gspo_sequence_log_ratio(logp, old_logp, mask, log_ratio_clamp=20.0):
+def gspo_sequence_log_ratio(logp, old_logp, mask, log_ratio_clamp=20.0, seq_log_ratio_clamp=None):
     """log s_i = (1/|y_i|) sum_t log(pi_theta / pi_old)_it -> [B] (GSPO's length-normalised ratio;
-    s_i is the geometric mean of the token ratios). Empty rows give 0 (s = 1)."""
-    return masked_mean(clamped_log_ratio(logp, old_logp, log_ratio_clamp), mask, dim=-1)
+    s_i is the geometric mean of the token ratios). Token log-ratios are clamped to
+    +-``log_ratio_clamp`` before the mean, the mean to <= ``seq_log_ratio_clamp`` after it
+    (None: no clamp). Empty rows give 0 (s = 1)."""
+    seq = masked_mean(_log_ratio(logp, old_logp, log_ratio_clamp), mask, dim=-1)
+    return _upper_clamp(seq, seq_log_ratio_clamp)
 
 
-def gspo_loss(
-    logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
-    agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_constant=None,
-    log_ratio_clamp=20.0, seq_mask=None,
-):
+@_policy_loss("gspo", uses=("clip_low", "clip_high", "delta", "log_ratio_clamp", "seq_log_ratio_clamp"))
+def gspo_loss(logp, old_logp, a, mask, used, o):
     """GSPO-token (Zheng et al. 2025): s_it = sg[s_i] * pi_it / sg[pi_it],
     l_t = -min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it).
 
     s_it has the value of the sequence ratio s_i and the gradient s_i grad log pi_it; with
     one advantage per sequence this equals GSPO's sequence-level gradient. The paper
     aggregates with "seq-mean-token-mean" and uses tiny clip ranges (3e-4 / 4e-4); both are
-    set by the caller.
+    set by the caller. ``seq_log_ratio_clamp`` c clamps log s_it = log pi_it - sg[log pi_it]
+    + sg[log s_i] to <= c before exp (verl: c = 10), so a clamped token has no gradient;
+    ``delta`` caps the unclipped s_it as in ``ppo_clip_loss`` (TRL).
     """
-    _need_old("gspo", old_logp)
-    logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
-    if dual_clip is not None:
-        raise ValueError("dual_clip applies to 'ppo_clip' only; set it to None for 'gspo'")
-    lo, hi = _clip_bounds(clip_low, clip_high)
-    seq_log_ratio = gspo_sequence_log_ratio(logp, old_logp, mask, log_ratio_clamp)
-    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (logp - logp.detach())
-    ratio = torch.exp(token_log_ratio)
-    a = advantages.detach()
-    loss_mat = torch.maximum(-a * ratio, -a * _clip(ratio, lo, hi))
-    r = ratio.detach()
-    low_cut = (a < 0) & (r < lo) if lo is not None else torch.zeros_like(used)
-    high_cut = (a > 0) & (r > hi) if hi is not None else torch.zeros_like(used)
-    stats = _ratio_stats(clamped_log_ratio(logp, old_logp, log_ratio_clamp).detach(), used, low_cut, high_cut)
-    has_tokens = used.any(-1)
-    stats["ratio_mean"] = masked_mean(seq_log_ratio.detach().exp(), has_tokens)
-    return _finish(loss_mat, mask, used, agg_mode, num_tokens, num_seqs, norm_constant, stats)
+    lo, hi = _clip_bounds(o)
+    token_log_ratio = _log_ratio(logp, old_logp, o.log_ratio_clamp)
+    seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)
+    log_s = _upper_clamp(seq_log_ratio.detach().unsqueeze(-1) + (logp - logp.detach()), o.seq_log_ratio_clamp)
+    ratio = torch.exp(log_s)
+    loss_mat = _clipped_surrogate(ratio, a, lo, hi, o.delta)
+    stats = _ratio_stats(token_log_ratio.detach(), used, *_clip_cuts(ratio.detach(), a, lo, hi, used))
+    seq_ratio = _upper_clamp(seq_log_ratio.detach(), o.seq_log_ratio_clamp).exp()
+    stats["ratio_mean"] = masked_mean(seq_ratio, used.any(-1))
+    return loss_mat, stats
 
 
-def cispo_loss(
-    logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
-    agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_constant=None,
-    log_ratio_clamp=20.0, seq_mask=None,
-):
+@_policy_loss("cispo", uses=("clip_low", "clip_high", "log_ratio_clamp", "ratio_level", "seq_log_ratio_clamp"))
+def cispo_loss(logp, old_logp, a, mask, used, o):
     """CISPO (MiniMax-M1, 2025): l_t = -sg[clip(r_t, 1-eps_low, 1+eps_high)] A_t log pi_theta(y_t).
 
     REINFORCE with a clipped, detached IS weight: every token keeps a gradient. MiniMax-M1
     bounds only the upper side (its eps_low is effectively infinite): pass ``clip_low=None``
     for that; a number clips both sides. The paper aggregates with "token-mean".
+    ``ratio_level="sequence"`` weighs every token of sequence i with GSPO's ratio
+    s_i = exp(mean_t log r_it) (clamped to <= ``seq_log_ratio_clamp`` in log space if given):
+    l_t = -sg[clip(s_i)] A_t log pi_theta(y_t) (TRL's cispo with importance_sampling_level
+    "sequence").
     """
-    _need_old("cispo", old_logp)
-    logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
-    if dual_clip is not None:
-        raise ValueError("dual_clip applies to 'ppo_clip' only; set it to None for 'cispo'")
-    lo, hi = _clip_bounds(clip_low, clip_high)
-    log_ratio = clamped_log_ratio(logp, old_logp, log_ratio_clamp).detach()
-    ratio = torch.exp(log_ratio)
+    if o.ratio_level == "token":
+        _reject_options("cispo", o, ("seq_log_ratio_clamp",), " with ratio_level='token'")
+    lo, hi = _clip_bounds(o)
+    log_ratio = _log_ratio(logp, old_logp, o.log_ratio_clamp).detach()
+    if o.ratio_level == "sequence":
+        seq_ratio = torch.exp(_upper_clamp(masked_mean(log_ratio, mask, dim=-1), o.seq_log_ratio_clamp))
+        ratio = seq_ratio.unsqueeze(-1).expand_as(log_ratio)
+    else:
+        ratio = torch.exp(log_ratio)
     weight = _clip(ratio, lo, hi)
-    a = advantages.detach()
     loss_mat = -weight * a * logp
-    low_cut = ratio < lo if lo is not None else torch.zeros_like(used)
-    high_cut = ratio > hi if hi is not None else torch.zeros_like(used)
+    none = torch.zeros_like(used)
+    low_cut = ratio < lo if lo is not None else none
+    high_cut = ratio > hi if hi is not None else none
     stats = _ratio_stats(log_ratio, used, low_cut, high_cut)
-    return _finish(loss_mat, mask, used, agg_mode, num_tokens, num_seqs, norm_constant, stats)
+    stats["clip_frac_high_pos"] = masked_mean((high_cut & (a > 0)).to(logp.dtype), used)
+    if o.ratio_level == "sequence":
+        stats["ratio_mean"] = masked_mean(seq_ratio, used.any(-1))
+    return loss_mat, stats
 
 
-def reinforce_loss(
-    logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
-    agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_constant=None,
-    log_ratio_clamp=20.0, seq_mask=None,
-):
+@_policy_loss("sapo", uses=("log_ratio_clamp", "tau_pos", "tau_neg"))
+def sapo_loss(logp, old_logp, a, mask, used, o):
+    """SAPO (soft adaptive policy optimisation, Qwen 2025): a sigmoid gate on the token ratio
+    instead of a hard clip, l_t = -f(r_t) A_t with f(r) = sigmoid(tau (r - 1)) * 4 / tau,
+    tau = tau_pos where A > 0, else tau_neg (verl and TRL: 1.0 and 1.05).
+
+    The gradient flows through r: d l_t / d log pi_t = -A_t * 4 sigmoid'(tau (r_t - 1)) * r_t,
+    which is -A_t (the policy gradient) at r = 1 and fades smoothly off-policy. The gate's value
+    at r = 1 is 2 / tau, not 1 (the 4 / tau makes the *gradient* there 1); kept as published.
+    No clipping: the clip stats are 0. verl aggregates with "seq-mean-token-mean".
+    """
+    log_ratio = _log_ratio(logp, old_logp, o.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(a > 0, torch.full_like(a, o.tau_pos), torch.full_like(a, o.tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss_mat = -gate * a
+    none = torch.zeros_like(used)
+    return loss_mat, _ratio_stats(log_ratio.detach(), used, none, none)
+
+
+@_policy_loss("reinforce", uses=("log_ratio_clamp",), needs_old=False)
+def reinforce_loss(logp, old_logp, a, mask, used, o):
     """REINFORCE (Williams 1992): l_t = -A_t log pi_theta(y_t); no ratio, no clipping.
 
     ``old_logp`` may be None; when given it only feeds the ratio statistics.
     """
-    logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
-    if dual_clip is not None:
-        raise ValueError("dual_clip applies to 'ppo_clip' only; set it to None for 'reinforce'")
-    loss_mat = -advantages.detach() * logp
+    loss_mat = -a * logp
     if old_logp is not None:
-        log_ratio = clamped_log_ratio(logp, old_logp, log_ratio_clamp).detach()
+        log_ratio = _log_ratio(logp, old_logp, o.log_ratio_clamp).detach()
     else:
         log_ratio = torch.zeros_like(logp)
     none = torch.zeros_like(used)
-    stats = _ratio_stats(log_ratio, used, none, none)
-    return _finish(loss_mat, mask, used, agg_mode, num_tokens, num_seqs, norm_constant, stats)
+    return loss_mat, _ratio_stats(log_ratio, used, none, none)
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "ppo_clip": ppo_clip_loss,
     "gspo": gspo_loss,
     "cispo": cispo_loss,
+    "sapo": sapo_loss,
     "reinforce": reinforce_loss,
 }
 

@@ -3,27 +3,49 @@
 One signature for the policy-side family::
 
     fn(chosen_logp [B], rejected_logp [B], ref_chosen_logp=None, ref_rejected_logp=None, *,
-       beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0)
-        -> (loss scalar, stats)
+       beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0,
+       length_normalize=False)
+        -> PreferenceOutput(loss scalar, chosen_rewards [B], rejected_rewards [B], stats)
 
-``*_logp`` are sequence log-probs (sum of the response's token log-probs). Implicit
-rewards are beta * (log pi - log pi_ref) for DPO/IPO/hinge and beta * log pi / |y| for
-SimPO; stats report their batch means: ``rewards/chosen``, ``rewards/rejected``,
-``rewards/margins`` (chosen - rejected) and ``rewards/accuracy`` (fraction with chosen >
-rejected). Options that a loss does not define (``gamma`` outside SimPO, label smoothing
-for IPO/hinge) raise instead of being silently ignored.
+``*_logp`` are sequence log-probs (sum of the response's token log-probs); ``*_len`` [B]
+are response lengths in tokens (> 0). Per-pair implicit rewards (detached) are
+beta * (log pi - log pi_ref) for DPO/IPO/hinge (summed log-ratios, also for length-normalised
+IPO) and beta * log pi / |y| for SimPO; ``stats`` holds their batch means:
+``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (chosen - rejected) and
+``rewards/accuracy`` (fraction with chosen > rejected).
+
+An option a loss does not use raises instead of being silently ignored (None, False and 0
+count as unset): ``gamma`` outside SimPO; label smoothing for IPO/hinge; lengths and
+``length_normalize`` for DPO/hinge; lengths for IPO unless ``length_normalize=True``;
+``length_normalize`` and reference log-probs for SimPO (always length-normalised,
+reference-free).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .checks import check_finite, check_shape, lookup
 
-PreferenceFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+class PreferenceOutput(NamedTuple):
+    """What every preference loss returns.
+
+    ``chosen_rewards`` / ``rejected_rewards`` are the detached per-pair implicit rewards [B]
+    (the scores themselves for ``bradley_terry_loss``); ``stats`` their batch means.
+    """
+
+    loss: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    stats: dict[str, torch.Tensor]
+
+
+PreferenceFn = Callable[..., PreferenceOutput]
 
 
 def _validate_pair(chosen, rejected, names=("chosen_logp", "rejected_logp")):
@@ -43,20 +65,48 @@ def _reference_log_ratios(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejec
     return chosen_logp - ref_chosen_logp.detach(), rejected_logp - ref_rejected_logp.detach()
 
 
-def _reward_stats(chosen_rewards, rejected_rewards):
+def _lengths(chosen_len, rejected_len, like, loss):
+    """Response lengths as [B] tensors of ``like``'s dtype; both required, finite and > 0."""
+    if chosen_len is None or rejected_len is None:
+        raise ValueError(f"preference loss {loss!r} needs chosen_len and rejected_len (response lengths)")
+    out = []
+    for name, value in (("chosen_len", chosen_len), ("rejected_len", rejected_len)):
+        value = torch.as_tensor(value, device=like.device).detach().to(like.dtype)
+        check_shape(name, value, like.shape, "chosen_logp")
+        check_finite(name, value)
+        if bool((value <= 0).any()):
+            raise ValueError(f"{loss}: {name} must be > 0 (empty responses cannot be length-normalised)")
+        out.append(value)
+    return out
+
+
+def _output(loss, chosen_rewards, rejected_rewards):
     c, r = chosen_rewards.detach(), rejected_rewards.detach()
-    return {
+    stats = {
         "rewards/chosen": c.mean(),
         "rewards/rejected": r.mean(),
         "rewards/margins": (c - r).mean(),
         "rewards/accuracy": (c > r).to(c.dtype).mean(),
     }
+    return PreferenceOutput(loss, c, r, stats)
 
 
-def _no_option(loss, **options):
+def _is_unset(value) -> bool:
+    if value is None or value is False:
+        return True
+    if torch.is_tensor(value):
+        return False  # a tensor was passed on purpose, whatever it holds
+    return isinstance(value, (int, float)) and value == 0
+
+
+def _no_option(loss, hint="", **options):
+    """Raise if any of ``options`` is set (None, False and 0 count as unset)."""
     for key, value in options.items():
-        if value:
-            raise ValueError(f"preference loss {loss!r} does not use {key} (got {value!r}); set it to 0")
+        if not _is_unset(value):
+            shown = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else repr(value)
+            raise ValueError(
+                f"preference loss {loss!r} does not use {key} (got {shown}); leave it unset{hint}"
+            )
 
 
 def _smoothed_sigmoid_loss(logits, label_smoothing):
@@ -68,69 +118,92 @@ def _smoothed_sigmoid_loss(logits, label_smoothing):
 
 def dpo_loss(
     chosen_logp, rejected_logp, ref_chosen_logp=None, ref_rejected_logp=None, *,
-    beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0,
+    beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0, length_normalize=False,
 ):
     """DPO (Rafailov et al. 2023): -log sigma(beta [(log pi_w - log ref_w) - (log pi_l - log ref_l)])."""
-    _no_option("dpo", gamma=gamma)
+    _no_option(
+        "dpo", gamma=gamma, chosen_len=chosen_len, rejected_len=rejected_len, length_normalize=length_normalize,
+    )
     rc, rr = _reference_log_ratios(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, "dpo")
     chosen_rewards, rejected_rewards = beta * rc, beta * rr
     loss = _smoothed_sigmoid_loss(chosen_rewards - rejected_rewards, label_smoothing).mean()
-    return loss, _reward_stats(chosen_rewards, rejected_rewards)
+    return _output(loss, chosen_rewards, rejected_rewards)
 
 
 def ipo_loss(
     chosen_logp, rejected_logp, ref_chosen_logp=None, ref_rejected_logp=None, *,
-    beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0,
+    beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0, length_normalize=False,
 ):
-    """IPO (Azar et al. 2023): (h - 1/(2 beta))^2, h = (log pi_w - log ref_w) - (log pi_l - log ref_l).
+    """IPO (Azar et al. 2023): (h - 1/(2 beta))^2. ``beta`` plays the paper's tau.
 
-    ``beta`` plays the paper's tau (regularisation strength).
+    ``length_normalize=False`` (default; OpenRLHF): summed log-ratios,
+    h = (log pi_w - log ref_w) - (log pi_l - log ref_l).
+    ``length_normalize=True`` (TRL ``loss_type="ipo"``): each side's log-ratio divided by its
+    own response length, h = (log pi_w - log ref_w)/|y_w| - (log pi_l - log ref_l)/|y_l|;
+    needs ``chosen_len`` and ``rejected_len`` (given without it, they raise). The squared
+    loss of summed log-ratios grows with response length, so the two take different betas.
+
+    The returned rewards are beta * summed log-ratio in both modes (as TRL reports them),
+    so with ``length_normalize=True`` their margin is not the h inside the loss.
     """
     _no_option("ipo", gamma=gamma, label_smoothing=label_smoothing)
+    if not length_normalize:
+        _no_option(
+            "ipo", hint=" or pass length_normalize=True to divide each log-ratio by its length",
+            chosen_len=chosen_len, rejected_len=rejected_len,
+        )
     if not beta > 0:
         raise ValueError(f"ipo needs beta > 0, got {beta!r}")
     rc, rr = _reference_log_ratios(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, "ipo")
-    loss = ((rc - rr) - 1.0 / (2.0 * beta)).pow(2).mean()
-    return loss, _reward_stats(beta * rc, beta * rr)
+    if length_normalize:
+        len_c, len_r = _lengths(chosen_len, rejected_len, chosen_logp, "ipo")
+        h = rc / len_c - rr / len_r
+    else:
+        h = rc - rr
+    loss = (h - 1.0 / (2.0 * beta)).pow(2).mean()
+    return _output(loss, beta * rc, beta * rr)
 
 
 def hinge_loss(
     chosen_logp, rejected_logp, ref_chosen_logp=None, ref_rejected_logp=None, *,
-    beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0,
+    beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0, length_normalize=False,
 ):
     """Hinge / SLiC (Zhao et al. 2023): max(0, 1 - beta h), h = reference-relative log-ratio margin."""
-    _no_option("hinge", gamma=gamma, label_smoothing=label_smoothing)
+    _no_option(
+        "hinge", gamma=gamma, label_smoothing=label_smoothing,
+        chosen_len=chosen_len, rejected_len=rejected_len, length_normalize=length_normalize,
+    )
     rc, rr = _reference_log_ratios(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, "hinge")
     chosen_rewards, rejected_rewards = beta * rc, beta * rr
     loss = torch.relu(1.0 - (chosen_rewards - rejected_rewards)).mean()
-    return loss, _reward_stats(chosen_rewards, rejected_rewards)
+    return _output(loss, chosen_rewards, rejected_rewards)
 
 
 def simpo_loss(
     chosen_logp, rejected_logp, ref_chosen_logp=None, ref_rejected_logp=None, *,
-    beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0,
+    beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0, length_normalize=False,
 ):
     """SimPO (Meng et al. 2024): -log sigma(beta/|y_w| log pi_w - beta/|y_l| log pi_l - gamma).
 
-    Reference-free (ref log-probs are ignored). ``gamma`` is the paper's target reward margin
-    gamma, in reward units: it is subtracted as is, *not* multiplied by beta. (The SimPO and
-    TRL code bases take ``gamma_beta_ratio`` = gamma / beta instead; convert with
-    gamma = beta * gamma_beta_ratio.)
+    Reference-free and always length-normalised: ``chosen_len``/``rejected_len`` are required,
+    while reference log-probs and ``length_normalize=True`` raise (neither changes anything).
+    ``gamma`` is the paper's target reward margin, in reward units: subtracted as is, *not*
+    multiplied by beta. TRL's CPOTrainer ``simpo_gamma`` is this same gamma (it computes
+    -log sigma(beta (h - simpo_gamma/beta)) = -log sigma(beta h - gamma)); only the SimPO
+    authors' reference code takes ``gamma_beta_ratio`` = gamma / beta, so convert that one
+    with gamma = beta * gamma_beta_ratio.
     """
+    _no_option(
+        "simpo", hint=" (SimPO is reference-free and always length-normalised)",
+        ref_chosen_logp=ref_chosen_logp, ref_rejected_logp=ref_rejected_logp, length_normalize=length_normalize,
+    )
     _validate_pair(chosen_logp, rejected_logp)
-    if chosen_len is None or rejected_len is None:
-        raise ValueError("preference loss 'simpo' needs chosen_len and rejected_len (response lengths)")
-    chosen_len = torch.as_tensor(chosen_len, dtype=chosen_logp.dtype, device=chosen_logp.device)
-    rejected_len = torch.as_tensor(rejected_len, dtype=chosen_logp.dtype, device=chosen_logp.device)
-    check_shape("chosen_len", chosen_len, chosen_logp.shape, "chosen_logp")
-    check_shape("rejected_len", rejected_len, chosen_logp.shape, "chosen_logp")
-    if bool((chosen_len <= 0).any()) or bool((rejected_len <= 0).any()):
-        raise ValueError("simpo: chosen_len and rejected_len must be > 0 (empty responses cannot be length-normalised)")
+    chosen_len, rejected_len = _lengths(chosen_len, rejected_len, chosen_logp, "simpo")
     chosen_rewards = beta * chosen_logp / chosen_len
     rejected_rewards = beta * rejected_logp / rejected_len
     logits = chosen_rewards - rejected_rewards - gamma
     loss = _smoothed_sigmoid_loss(logits, label_smoothing).mean()
-    return loss, _reward_stats(chosen_rewards, rejected_rewards)
+    return _output(loss, chosen_rewards, rejected_rewards)
 
 
 PREFERENCE_LOSSES: dict[str, PreferenceFn] = {
@@ -141,17 +214,20 @@ PREFERENCE_LOSSES: dict[str, PreferenceFn] = {
 }
 
 
-def preference_loss(name: str, chosen_logp, rejected_logp, ref_chosen_logp=None, ref_rejected_logp=None, **kwargs):
-    """``PREFERENCE_LOSSES[name](...)``."""
+def preference_loss(
+    name: str, chosen_logp, rejected_logp, ref_chosen_logp=None, ref_rejected_logp=None, **kwargs,
+) -> PreferenceOutput:
+    """``PREFERENCE_LOSSES[name](...)`` -> ``PreferenceOutput``."""
     fn = lookup(PREFERENCE_LOSSES, name, "preference loss")
     return fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, **kwargs)
 
 
-def bradley_terry_loss(chosen_scores, rejected_scores, margin=None, center_coef: float = 0.0):
+def bradley_terry_loss(chosen_scores, rejected_scores, margin=None, center_coef: float = 0.0) -> PreferenceOutput:
     """Bradley–Terry RM loss: -log sigma(s_w - s_l - m) + center_coef (s_w + s_l)^2.
 
     ``margin`` m (Llama 2; scalar or [B]) demands a larger gap on clearer pairs; the
     centering term (Eisenstein et al. 2023) pins the otherwise free reward offset near 0.
+    Returns ``PreferenceOutput`` with the (detached) scores as the per-pair rewards.
     """
     _validate_pair(chosen_scores, rejected_scores, ("chosen_scores", "rejected_scores"))
     diff = chosen_scores - rejected_scores
@@ -162,4 +238,4 @@ def bradley_terry_loss(chosen_scores, rejected_scores, margin=None, center_coef:
     loss = -F.logsigmoid(diff).mean()
     if center_coef:
         loss = loss + center_coef * (chosen_scores + rejected_scores).pow(2).mean()
-    return loss, _reward_stats(chosen_scores, rejected_scores)
+    return _output(loss, chosen_scores, rejected_scores)

@@ -12,11 +12,12 @@ from .masked import masked_mean, zero_padding
 
 def value_loss(
     values, old_values, returns, mask, clip_range=None, agg_mode="token-mean", *,
-    num_tokens=None, num_seqs=None, norm_constant=None,
+    num_tokens=None, num_seqs=None, norm_constant=None, dp_size=1, count_empty_rows=False,
 ):
     """PPO value loss: l_t = 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
 
-    Without ``clip_range`` it is 0.5 (V - R)^2. Returns (loss, stats) with stats
+    Without ``clip_range`` it is 0.5 (V - R)^2. ``agg_mode`` and the keywords after it are
+    those of ``aggregate_loss``. Returns (loss, stats) with stats
     ``vf_clip_frac`` (tokens where the clipped error is the larger one, i.e. the gradient is
     cut), ``vpred_mean`` and ``value_mse`` (unclipped squared error), over valid tokens.
     """
@@ -43,6 +44,7 @@ def value_loss(
     loss = aggregate_loss(
         torch.where(valid, loss_mat, torch.zeros_like(loss_mat)), mask, agg_mode,
         num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant,
+        dp_size=dp_size, count_empty_rows=count_empty_rows,
     )
     stats = {
         "vf_clip_frac": clip_frac.detach(),
@@ -54,12 +56,13 @@ def value_loss(
 
 def ptx_loss(
     logp_or_logits, mask, labels=None, *, agg_mode="token-mean",
-    num_tokens=None, num_seqs=None, norm_constant=None,
+    num_tokens=None, num_seqs=None, norm_constant=None, dp_size=1, count_empty_rows=False,
 ):
     """PPO-ptx (Ouyang et al. 2022): L_ptx = -mean_t log pi_theta(x_t) on pretraining text.
 
     Pass per-token log-probs [B, T], or logits [B, T, V] with ``labels`` [B, T]. The caller
     scales it by the ptx coefficient (gamma in InstructGPT) and adds it to the RL loss.
+    ``agg_mode`` and the keywords after it are those of ``aggregate_loss``.
     """
     if labels is not None:
         logp = logprobs_from_logits(logp_or_logits, labels)
@@ -75,4 +78,5 @@ def ptx_loss(
     return aggregate_loss(
         -zero_padding(logp, mask), mask, agg_mode,
         num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant,
+        dp_size=dp_size, count_empty_rows=count_empty_rows,
     )
