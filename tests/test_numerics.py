@@ -121,3 +121,112 @@ def test_each_peer_preset_trains(peer, make_config, sft_start):
                             "algorithm.mask_truncated=true"))
     assert summary["global_step"] == 2 and summary["choices"]["numerics"] == peer
     assert "policy/ppo_kl" in summary and "policy/kl" in summary
+
+
+def test_mask_truncated_takes_truncated_responses_out_of_the_loss(make_config, sft_start):
+    import torch
+
+    from posttrain.algorithms.grpo import Experience
+
+    module = build(make_config, sft_start, "algorithm=grpo", "algorithm.mask_truncated=true")
+    mask = torch.ones(2, 3)
+    exp = Experience(prompt_ids=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
+                     response_ids=torch.zeros(2, 3, dtype=torch.long), response_mask=mask,
+                     rollout_logprobs=torch.zeros(2, 3), truncated=torch.tensor([True, False]),
+                     scores=torch.zeros(2), correct=torch.zeros(2), group_index=torch.tensor([0, 0]))
+    assert torch.equal(module.loss_mask(exp), torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
+    assert torch.equal(build(make_config, sft_start, "algorithm=grpo").loss_mask(exp), mask)
+
+
+# --- the presets reproduce each peer's numbers --------------------------------------------
+# Our own float64 transcriptions of each peer's formulas (read off their code; see
+# core/README.md, "Numerics"), fed by the options the module builds from `numerics=<peer>`.
+
+def _peer_advantages(peer, scores, groups):
+    import torch
+
+    eps = {"trl": 1e-4, "verl": 1e-6, "openrlhf": 1e-9}[peer]
+    out = torch.empty_like(scores)
+    for g in groups.unique():
+        rows = groups == g
+        s = scores[rows]
+        mean, std = (s.mean(), s.std()) if len(s) > 1 else (torch.tensor(0.0, dtype=s.dtype), torch.tensor(1.0, dtype=s.dtype))
+        out[rows] = (s - mean) / (std + eps)
+    return out
+
+
+def _peer_k3(peer, logp, ref):
+    import torch
+
+    if peer == "trl":
+        return torch.exp(ref - logp) - (ref - logp) - 1
+    if peer == "verl":
+        d = torch.clamp(ref - logp, -20, 20)
+        return torch.clamp(torch.exp(d) - d - 1, -10, 10)
+    log_ratio = logp - ref  # openrlhf
+    return ((-log_ratio).exp() - 1 + log_ratio).clamp(-10, 10)
+
+
+def _peer_policy_loss(peer, logp, old, adv, mask):
+    import torch
+
+    log_ratio = logp - old
+    if peer in ("verl", "openrlhf"):
+        log_ratio = torch.clamp(log_ratio, -20, 20)
+    ratio = torch.exp(log_ratio)
+    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
+    if peer == "verl":  # dual clip, c = 3
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * 3.0), loss)
+    per_row = (loss * mask).sum(-1)
+    if peer == "trl":  # every row counts, lengths clamped at 1
+        return (per_row / mask.sum(-1).clamp(min=1)).mean()
+    counts = mask.sum(-1)
+    nonempty = (counts > 0).float()
+    return ((per_row / (counts + 1e-8)) * nonempty).sum() / nonempty.sum()
+
+
+@pytest.mark.parametrize("peer", ["trl", "verl", "openrlhf"])
+def test_numerics_preset_reproduces_the_peer(peer, make_config, sft_start):
+    import torch
+
+    from posttrain import core
+
+    module = build(make_config, sft_start, "algorithm=grpo", f"numerics={peer}")
+    assert module.advantage_name == "group_norm" and module.kl_name == "k3" and module.policy_loss == "ppo_clip"
+    g = torch.Generator().manual_seed(0)
+    B, T = 7, 5
+    mask = (torch.arange(T) < torch.tensor([5, 3, 1, 4, 2, 5, 0]).unsqueeze(-1)).double()
+    mask[6] = 0.0  # an all-padding row (e.g. a response dropped by overlong filtering)
+
+    # advantages: sequence scores of groups {0: 3 samples, 1: 3 samples} (+ a singleton for verl)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2]) if peer == "verl" else torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    scores = torch.rand(6, generator=g, dtype=torch.float64)
+    rows = slice(0, 6 if peer != "verl" else 7)
+    scores_all = torch.cat([scores, torch.tensor([0.7], dtype=torch.float64)])
+    token_rewards = torch.zeros(B, T, dtype=torch.float64)
+    token_rewards[:, 0] = scores_all
+    adv_mask = torch.ones(B, T, dtype=torch.float64)  # every row scored for the advantage check
+    ours, _ = core.compute_advantages(module.advantage_name, token_rewards[rows], adv_mask[rows], groups[rows],
+                                      **module.advantage_options)
+    theirs = _peer_advantages(peer, scores_all[rows], groups[rows])
+    torch.testing.assert_close(ours[:, 0], theirs, rtol=1e-12, atol=1e-12)
+
+    # KL (k3) with log-ratios beyond every clamp, values and gradients
+    logp = (torch.randn(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    ref = logp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 3
+    ref[0, :2] = logp[0, :2].detach() + torch.tensor([25.0, -25.0], dtype=torch.float64)
+    ours = core.kl_penalty(module.kl_name, logp, ref, logp.detach(), **module.kl_options)
+    theirs = _peer_k3(peer, logp, ref)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)
+    grads = [torch.autograd.grad(x.sum(), logp)[0] for x in (ours, theirs)]
+    torch.testing.assert_close(*grads, rtol=1e-12, atol=0)
+
+    # the policy loss with the preset's clamps, dual clip and row counting
+    old = logp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    old[1, 0] = logp[1, 0].detach() - 30.0  # a log-ratio past the +-20 clamp
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    ours, _ = core.compute_policy_loss(module.policy_loss, logp, old, adv, mask, **module.loss_options)
+    theirs = _peer_policy_loss(peer, logp, old, adv, mask)
+    torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=0)
+    grads = [torch.autograd.grad(x, logp)[0] for x in (ours, theirs)]
+    torch.testing.assert_close(*grads, rtol=1e-7, atol=1e-12)

@@ -120,3 +120,16 @@ def test_padding_garbage_never_reaches_values_or_gradients(name, garbage):
     torch.testing.assert_close(loss, clean_loss)
     torch.testing.assert_close(grad, clean_grad)
     assert (grad[~PAD_MASK] == 0).all() and grad[PAD_MASK].abs().sum() > 0
+
+
+def test_drop_truncated_empties_the_truncated_rows_only():
+    from posttrain.core import count_tokens_and_seqs, drop_truncated
+
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    out = drop_truncated(mask, torch.tensor([True, False, False]))
+    assert torch.equal(out, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    # the dropped row leaves the token count; whether it is still a sequence is the aggregation's choice
+    assert [float(x) for x in count_tokens_and_seqs(out)] == [3.0, 2.0]
+    assert [float(x) for x in count_tokens_and_seqs(out, count_empty_rows=True)] == [3.0, 3.0]
+    with pytest.raises(ValueError, match="truncated"):
+        drop_truncated(mask, torch.tensor([True, False]))
