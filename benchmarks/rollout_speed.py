@@ -10,7 +10,7 @@ random init, float32, eval mode) and one batch of left-padded arithmetic prompts
 * ``fast_hf_loop``  -- ``FastSampler(use_functional=False)``: the same sampling loop over
                        the generic HF forward, i.e. what the functional path buys.
 * ``hf``            -- ``build_rollout("hf")``: HF ``generate``, the reference.
-* ``ceiling``       -- one teacher-forced forward (``grpo.sequence_logits``, the training
+* ``ceiling``       -- one teacher-forced forward (``experience.sequence_logits``, the training
                        forward) over the prompt + response tokens ``fast`` produced: what
                        those tokens would cost if they were all known in advance.
 
@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from posttrain.algorithms.grpo import sequence_logits
+from posttrain.algorithms.experience import sequence_logits
 from posttrain.data.datamodule import collate_prompts
 from posttrain.data.sources import ArithmeticSource
 from posttrain.models.loading import load_tokenizer_and_model

@@ -13,7 +13,7 @@ from posttrain.train import build_module, run
 
 from conftest import EASY_TASK, FAST_RUN
 
-PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "ppo"]
 
 
 def rl_config(make_config, sft_start, *overrides, output_dir=None):
@@ -33,16 +33,26 @@ def nan_reward(samples, source):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_trains_and_logs_the_step_metrics(preset, make_config, sft_start):
-    summary = run(rl_config(make_config, sft_start, f"algorithm={preset}"))
+    cfg = rl_config(make_config, sft_start, f"algorithm={preset}")
+    steps_per_batch = cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches
+    summary = run(cfg)
     expected = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean", "rollout/truncated_frac",
                 "rollout/frac_zero_std_groups", "policy/loss", "policy/entropy", "policy/clip_frac_low",
-                "policy/clip_frac_high", "policy/approx_kl", "policy/grad_norm", "perf/rollout_s", "perf/train_s",
-                "perf/tokens_per_s", "eval/accuracy", "eval/response_len"]
+                "policy/clip_frac_high", "policy/approx_kl", "policy/ppo_kl", "policy/grad_norm", "perf/collect_s",
+                "perf/annotate_s", "perf/advantages_s", "perf/update_s", "perf/tokens_per_s", "rollout/batch",
+                "eval/accuracy", "eval/response_len"]
     missing = [k for k in expected if k not in summary]
     assert not missing, missing
-    assert summary["global_step"] == 2
-    if preset == "grpo":
-        assert "policy/kl" in summary  # k3 as a loss against the frozen reference
+    # max_steps=2 counts optimiser steps: the run stops after the batch that reaches 2 (dapo skips
+    # the step of a batch without an informative group, so it may need more batches)
+    assert summary["global_step"] == max(2, steps_per_batch)
+    assert summary["rollout/batch"] * steps_per_batch >= 2
+    if preset in ("grpo", "ppo"):
+        assert "policy/kl" in summary  # k3 as a loss / k1 in the reward, against the frozen reference
+    if preset == "ppo":
+        for key in ("critic/value_loss", "critic/explained_var", "critic/value_mean", "critic/vf_clipfrac",
+                    "critic/grad_norm", "rewards/kl_penalty"):
+            assert key in summary, key
 
 
 def test_reference_model_is_loaded_only_when_a_kl_term_needs_it(make_config, sft_start):
@@ -100,6 +110,8 @@ def test_grpo_resume_continues_the_same_run(make_config, sft_start, tmp_path):
     resumed = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=False)
     assert resumed["global_step"] == straight["global_step"] == 4
     assert resumed["curriculum"] == straight["curriculum"]
+    # the frozen reference is rebuilt from the starting weights on resume, not stored
+    assert not [k for k in straight["state_dict"] if k.startswith("reference.")]
     for name, tensor in straight["state_dict"].items():
         assert torch.allclose(tensor, resumed["state_dict"][name], atol=1e-6), name
 
@@ -148,30 +160,32 @@ def test_warm_start_can_stop_at_an_accuracy_target(make_config, tmp_path):
         run(make_config(*overrides, "algorithm.warm_start.until_accuracy=5", output_dir=tmp_path / "c"))
 
 
-def test_on_policy_shortcut_gives_the_same_update_as_a_separate_old_forward(make_config, sft_start):
-    """With one update per batch pi_old is the current policy: passing old_logp=None (use the
-    training forward's own log-probs, detached) must give the update of an explicit old forward."""
-    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "kl_estimator=k3_unbiased")
+def online_module(make_config, sft_start, *overrides):
+    """The online-RL module of a config, set up as Lightning would, outside a Trainer."""
+    cfg = rl_config(make_config, sft_start, *overrides)
     source = build_source(cfg.data)
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
     module = build_module(cfg, policy, tokenizer, source)
-    exp, _ = module.collect(step=0)
-    with torch.no_grad():
-        old_logp, _ = module.logprobs(module.policy, exp)
-        ref_logp, _ = module.logprobs(module.reference, exp)
-    advantages = torch.randn(len(exp.scores), 1).expand_as(exp.response_mask) * exp.response_mask
-
-    class NoStep:
-        def zero_grad(self):
-            module.policy.zero_grad()
-
-        def step(self):
-            pass
-
+    module.setup("fit")
     module.manual_backward = lambda loss: loss.backward()
+    return module
+
+
+def test_on_policy_shortcut_gives_the_same_update_as_a_separate_old_forward(make_config, sft_start):
+    """With one update per batch pi_old is the current policy: leaving old_logp unset (the
+    training forward's own log-probs, detached) must give the update of an explicit old forward."""
+    module = online_module(make_config, sft_start, "algorithm=grpo", "kl_estimator=k3_unbiased")
+    assert [field for field, _ in module.scorers] == ["ref_logp"]  # no old-log-prob forward on-policy
+    exp, _, _ = module.collect(step=0)
+    exp = module.annotate(exp.without_trailing_padding())
+    exp.advantages = torch.randn(len(exp), 1).expand_as(exp.response_mask) * exp.response_mask
+    with torch.no_grad():
+        explicit_old = module.token_logprobs(module.policy, exp)[0]
     grads = []
-    for old in (old_logp, None):
-        stats = module.minibatch_step(exp, old, advantages, ref_logp, NoStep())
+    for old in (explicit_old, None):
+        exp.old_logp = old
+        module.policy.zero_grad()
+        stats = module.accumulate_gradients(exp)
         grads.append([p.grad.clone() for p in module.policy.parameters()])
         assert stats["policy/ratio_mean"] == pytest.approx(1.0)
     for explicit, shortcut in zip(*grads):
@@ -179,17 +193,14 @@ def test_on_policy_shortcut_gives_the_same_update_as_a_separate_old_forward(make
 
 
 def test_trimming_trailing_padding_changes_no_logprob(make_config, sft_start):
-    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "rollout.max_new_tokens=12")
-    source = build_source(cfg.data)
-    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
-    module = build_module(cfg, policy, tokenizer, source)
-    exp, _ = module.collect(step=0)
+    module = online_module(make_config, sft_start, "algorithm=grpo", "rollout.max_new_tokens=12")
+    exp, _, _ = module.collect(step=0)
     trimmed = exp.without_trailing_padding()
     width = trimmed.response_ids.shape[1]
     assert width == int(exp.response_mask.sum(dim=1).max()) < exp.response_ids.shape[1]
     assert not exp.response_mask[:, width:].any()
     with torch.no_grad():
-        full, _ = module.logprobs(module.policy, exp)
-        short, _ = module.logprobs(module.policy, trimmed)
+        full, _ = module.token_logprobs(module.policy, exp)
+        short, _ = module.token_logprobs(module.policy, trimmed)
     real = trimmed.response_mask.bool()
     torch.testing.assert_close(short[real], full[:, :width][real], atol=1e-5, rtol=0)

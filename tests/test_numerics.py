@@ -126,7 +126,7 @@ def test_each_peer_preset_trains(peer, make_config, sft_start):
 def test_mask_truncated_takes_truncated_responses_out_of_the_loss(make_config, sft_start):
     import torch
 
-    from posttrain.algorithms.grpo import Experience
+    from posttrain.algorithms.experience import Experience
 
     module = build(make_config, sft_start, "algorithm=grpo", "algorithm.mask_truncated=true")
     mask = torch.ones(2, 3)
@@ -225,7 +225,8 @@ def test_numerics_preset_reproduces_the_peer(peer, make_config, sft_start):
     old = logp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
     old[1, 0] = logp[1, 0].detach() - 30.0  # a log-ratio past the +-20 clamp
     adv = torch.randn(B, T, generator=g, dtype=torch.float64)
-    ours, _ = core.compute_policy_loss(module.policy_loss, logp, old, adv, mask, **module.loss_options)
+    ours, _ = core.compute_policy_loss(module.policy_loss, logp, old, adv, mask, **module.loss_options,
+                                       **module.aggregation)
     theirs = _peer_policy_loss(peer, logp, old, adv, mask)
     torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=0)
     grads = [torch.autograd.grad(x, logp)[0] for x in (ours, theirs)]

@@ -366,43 +366,93 @@ def test_greedy_equals_hf_greedy_generate(arch, request):
         assert out.truncated.all()
 
 
-# ---------------------------------------------------------------- 6. sampling mask
+# ---------------------------------------------------------------- 6. kept top-k / top-p support
 
 
-@pytest.mark.parametrize("name", ENGINES)
-def test_sampling_mask_top_k_counts_and_contains_sample(qwen, name):
-    prompt, mask = _left_padded(32, (0, 2, 4, 1), 6)
-    params = SamplingParams(max_new_tokens=8, top_k=5, return_sampling_mask=True)
-    out = build_rollout(name).generate(qwen, prompt, mask, params, [1, 2], 0, generator=torch.Generator().manual_seed(2))
-    smask = out.sampling_mask
-    assert smask.shape == (4, 8, 32) and smask.dtype == torch.bool
-    real = out.response_mask.bool()
-    assert (smask.sum(-1)[real] == 5).all()
-    assert not smask[~real].any()
-    picked = smask.gather(2, out.response_ids[..., None]).squeeze(2)
-    assert picked[real].all()
-
-
-@pytest.mark.parametrize("name", ENGINES)
-def test_sampling_mask_top_p_is_the_smallest_nucleus(qwen, name):
-    prompt, mask = _left_padded(32, (0, 3), 6)
-    params = SamplingParams(max_new_tokens=6, temperature=0.5, top_p=0.6, return_sampling_mask=True)
-    out = build_rollout(name).generate(qwen, prompt, mask, params, 999, 0, generator=torch.Generator().manual_seed(3))
+def _teacher_forced_logits(model, out, prompt_len):
     ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
     attn = torch.cat([out.prompt_mask, out.response_mask], dim=1)
     with torch.inference_mode():
-        probs = (qwen(ids, attention_mask=attn).logits[:, prompt.shape[1] - 1 : -1] / 0.5).softmax(-1)
-    kept_mass = (probs * out.sampling_mask).sum(-1)
-    smallest_kept = probs.masked_fill(~out.sampling_mask, 2.0).min(-1).values
+        return model(ids, attention_mask=attn).logits[:, prompt_len - 1 : -1].float()
+
+
+def _rank(logits, tokens):
+    """0-based rank of each token among its position's logits (0 = largest)."""
+    picked = logits.gather(2, tokens[..., None])
+    return (logits > picked).sum(-1)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_support_size_is_top_k_and_contains_sample(qwen, name):
+    prompt, mask = _left_padded(32, (0, 2, 4, 1), 6)
+    params = SamplingParams(max_new_tokens=8, top_k=5, return_support=True)
+    out = build_rollout(name).generate(qwen, prompt, mask, params, [1, 2], 0, generator=torch.Generator().manual_seed(2))
+    assert out.support_size.shape == (4, 8) and out.support_size.dtype == torch.int32
+    real = out.response_mask.bool()
+    assert not real.all(), "test needs some padding"
+    assert (out.support_size[real] == 5).all()
+    assert (out.support_size[~real] == 0).all() and (out.support_logprobs[~real] == 0).all()
+    rank = _rank(_teacher_forced_logits(qwen, out, prompt.shape[1]), out.response_ids)
+    assert (rank[real] < out.support_size[real]).all()
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_support_size_top_p_is_the_smallest_nucleus(qwen, name):
+    prompt, mask = _left_padded(32, (0, 3), 6)
+    params = SamplingParams(max_new_tokens=6, temperature=0.5, top_p=0.6, return_support=True)
+    out = build_rollout(name).generate(qwen, prompt, mask, params, 999, 0, generator=torch.Generator().manual_seed(3))
+    probs = (_teacher_forced_logits(qwen, out, prompt.shape[1]) / 0.5).softmax(-1)
+    sorted_probs = probs.sort(-1, descending=True).values
+    k = out.support_size.long()
+    assert (k >= 1).all() and (k < 32).all()
+    kept_mass = sorted_probs.cumsum(-1).gather(2, (k - 1)[..., None]).squeeze(2)
+    smallest_kept = sorted_probs.gather(2, (k - 1)[..., None]).squeeze(2)
     assert (kept_mass >= 0.6 - 1e-5).all()
     assert (kept_mass - smallest_kept < 0.6 + 1e-5).all()
-    assert out.sampling_mask.gather(2, out.response_ids[..., None]).all()
+    rank = _rank(probs, out.response_ids)
+    assert (rank < k).all()
 
 
-def test_no_sampling_mask_unless_asked(qwen):
+@pytest.mark.parametrize("name", ENGINES)
+def test_renormalised_logprobs_from_support_size_equal_the_dense_mask(qwen, name):
+    """The trainer's renormalisation from support_size reproduces the old dense [B, T, V]
+    sampling mask, and the sampler's own support_logprobs."""
+    from posttrain.core import logprobs_from_logits, token_logprobs_and_entropy
+    from posttrain.rollout import sampling_logits_processor
+
+    prompt, mask = _left_padded(32, (0, 4, 2, 1), 6)
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=6, top_p=0.8, return_support=True)
+    out = build_rollout(name).generate(qwen, prompt, mask, params, [1, 2, 3], 0, generator=torch.Generator().manual_seed(4))
+    logits = _teacher_forced_logits(qwen, out, prompt.shape[1])
+    real = out.response_mask.bool()
+    labels = out.response_ids.masked_fill(~real, -100)
+
+    # the old method: a dense keep-mask from the sampler's processor, -inf outside it
+    _, dense = sampling_logits_processor(logits, params)
+    dense = dense | ~real[..., None]
+    assert (dense.sum(-1)[real] == out.support_size[real]).all()
+    expected = logprobs_from_logits((logits / 0.7).masked_fill(~dense, float("-inf")), labels)
+
+    logp, _ = token_logprobs_and_entropy(logits, labels, with_entropy=False, support_size=out.support_size,
+                                         temperature=0.7, chunk_tokens=5)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.support_logprobs[real], logp[real], atol=1e-4, rtol=0)
+    assert (out.support_logprobs[real] >= out.logprobs[real] - 1e-6).all()  # renormalising only raises them
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_support_without_filter_is_the_full_vocabulary(qwen, name):
+    prompt, mask = _left_padded(32, (0, 2), 5)
+    params = SamplingParams(max_new_tokens=4, temperature=0.8, return_support=True)
+    out = build_rollout(name).generate(qwen, prompt, mask, params, 999, 0, generator=torch.Generator().manual_seed(5))
+    assert (out.support_size == 32).all()
+    torch.testing.assert_close(out.support_logprobs, out.logprobs)
+
+
+def test_no_support_unless_asked(qwen):
     prompt, mask = _left_padded(32, (0,), 4)
     out = FastSampler().generate(qwen, prompt, mask, SamplingParams(max_new_tokens=3, top_k=3), 1, 0)
-    assert out.sampling_mask is None
+    assert out.support_size is None and out.support_logprobs is None
 
 
 # ---------------------------------------------------------------- 7. registry, errors, state
@@ -445,8 +495,9 @@ def test_model_mode_is_restored_and_seeded_runs_repeat(qwen, name):
 
 def test_rollout_batch_helpers(qwen):
     prompt, mask = _left_padded(32, (0, 1), 4)
-    out = FastSampler().generate(qwen, prompt, mask, SamplingParams(max_new_tokens=3, return_sampling_mask=True), 999, 0)
+    out = FastSampler().generate(qwen, prompt, mask, SamplingParams(max_new_tokens=3, top_k=4, return_support=True), 999, 0)
     moved = out.to("cpu")
     assert torch.equal(moved.response_ids, out.response_ids)
     assert moved.response_lengths().tolist() == [3, 3]
     assert out.prompt_ids.shape == (2, 4) and out.prompt_mask.dtype == torch.long
+    assert torch.equal(moved.support_size, out.support_size)

@@ -41,3 +41,75 @@ def test_tiny_model_size_is_configurable():
     llama = build_tiny_model(17, architecture="llama", hidden_size=32, num_layers=1, intermediate_size=64,
                              num_heads=2, num_kv_heads=1, tie_word_embeddings=False)
     assert llama.config.model_type == "llama" and llama.config.num_key_value_heads == 1
+
+
+# ---------------------------------------------------------------- dropout is off in every forward
+
+
+def _model_cfg(name_or_path=None, dtype="float32"):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "name_or_path": name_or_path, "init_from": None, "architecture": "qwen2", "hidden_size": 32,
+        "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 64,
+        "max_position_embeddings": 64, "tie_word_embeddings": True, "dtype": dtype,
+    })
+
+
+def _two_train_forwards(model, ids):
+    model.train()
+    try:
+        return model(ids).logits, model(ids).logits
+    finally:
+        model.eval()
+
+
+def test_loaded_model_with_attention_dropout_is_deterministic_in_train_mode(tmp_path):
+    """The sampler runs in eval mode; training forwards must score the same policy, so the
+    loader turns dropout off (HF attention applies config.attention_dropout in train())."""
+    from posttrain.models.loading import load_tokenizer_and_model
+
+    tok = build_char_tokenizer(ALPHABET)
+    model = build_tiny_model(len(tok), num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2)
+    model.config.attention_dropout = 0.5
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    ids = tok("12+34=46", return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+    raw = AutoModelForCausalLM.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    first, second = _two_train_forwards(raw, ids)
+    assert not torch.equal(first, second), "test needs dropout to be active without the fix"
+
+    _, loaded = load_tokenizer_and_model(_model_cfg(str(tmp_path)), ALPHABET)
+    first, second = _two_train_forwards(loaded, ids)
+    assert torch.equal(first, second)
+    assert loaded.config.attention_dropout == 0.0
+    with torch.no_grad():
+        torch.testing.assert_close(first, loaded(ids).logits)  # train() == eval()
+
+
+def test_disable_dropout_covers_modules_attributes_and_config():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from posttrain.models.loading import disable_dropout
+
+    config = GPT2Config(vocab_size=20, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, summary_first_dropout=0.3)
+    model = GPT2LMHeadModel(config)
+    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    assert disable_dropout(model) is model
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    for field in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"):
+        assert getattr(model.config, field) == 0.0, field
+    ids = torch.randint(0, 20, (2, 8))
+    first, second = _two_train_forwards(model, ids)
+    assert torch.equal(first, second)
+
+
+def test_tiny_model_from_the_loader_has_no_dropout():
+    from posttrain.models.loading import load_tokenizer_and_model
+
+    _, model = load_tokenizer_and_model(_model_cfg(), ALPHABET)
+    assert model.config.attention_dropout == 0.0
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))

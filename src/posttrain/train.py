@@ -54,6 +54,16 @@ def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
     raise ConfigError(f"logger.backend={backend!r} is not one of ['wandb', 'csv', 'none']")
 
 
+def finish_logger(logger, failed: bool) -> None:
+    """End this job's tracking run. W&B keeps one run per process until it is finished, and
+    a later WandbLogger silently reuses it: without this every job after the first of a
+    local multirun (basic launcher, all jobs in one process) would log into the first's run."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(logger, WandbLogger) and logger._experiment is not None:  # None: never started
+        logger._experiment.finish(exit_code=1 if failed else 0)  # a failed job's run is marked failed
+
+
 def wandb_mode(cfg: DictConfig) -> str:
     """`logger.mode=auto`: WANDB_MODE if set, online with credentials, else offline."""
     if cfg.logger.mode != "auto":
@@ -145,8 +155,8 @@ def run(cfg: DictConfig) -> dict:
     start_dir = warm_start(cfg)
     if start_dir is not None:
         cfg.model.init_from = start_dir
-    if ckpt_path is not None:
-        cfg.model.init_from = None  # resuming: every weight (policy, reference) comes from the checkpoint
+    # Resuming keeps init_from: the trained weights come from the checkpoint, but frozen roles
+    # (the reference) are rebuilt from the policy's starting weights, which checkpoints omit.
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
     module = build_module(cfg, policy, tokenizer, source)
     datamodule = PosttrainDataModule(
@@ -154,30 +164,33 @@ def run(cfg: DictConfig) -> dict:
         eval_split=cfg.eval.split, eval_num_prompts=cfg.eval.num_prompts,
         eval_batch_size=cfg.eval.batch_size, seed=cfg.seed,
     )
-    trainer = instantiate(
-        cfg.trainer, logger=build_logger(cfg, output_dir, run_name(choices, cfg)),
-        callbacks=build_callbacks(cfg, output_dir),
-    )
+    logger = build_logger(cfg, output_dir, run_name(choices, cfg))
+    try:  # run() owns the logger: its run ends with the job, also when the job fails
+        trainer = instantiate(cfg.trainer, logger=logger, callbacks=build_callbacks(cfg, output_dir))
 
-    summary = {}
-    if cfg.eval.at_start and ckpt_path is None:
-        start_metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-        summary.update({f"{k}_start": float(v) for k, v in start_metrics.items()})
-    started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    train_seconds = time.perf_counter() - started
-    summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
-    if module.evaluated_at_step != trainer.global_step:  # the summary always holds the final model's eval
-        summary.update({k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()})
-    summary.update(global_step=trainer.global_step, train_seconds=round(train_seconds, 2),
-                   choices=choices, run_dir=str(output_dir), warm_start=start_dir)
-    if trainer.is_global_zero:
-        save_pretrained_atomic(module.policy, tokenizer, output_dir / "hf_model")
-        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
-        write_json_atomic(output_dir / "summary.json", summary)
-        print_before_after(summary)
-        if cfg.logger.backend == "wandb" and wandb_mode(cfg) == "offline":
-            print(f"W&B ran offline (no credentials); upload with: wandb sync {output_dir / 'wandb'}/offline-run-*")
+        summary = {}
+        if cfg.eval.at_start and ckpt_path is None:
+            start_metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+            summary.update({f"{k}_start": float(v) for k, v in start_metrics.items()})
+        started = time.perf_counter()
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        train_seconds = time.perf_counter() - started
+        summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+        if module.evaluated_at_step != trainer.global_step:  # the summary always holds the final model's eval
+            summary.update({k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()})
+        summary.update(global_step=trainer.global_step, train_seconds=round(train_seconds, 2),
+                       choices=choices, run_dir=str(output_dir), warm_start=start_dir)
+        if trainer.is_global_zero:
+            save_pretrained_atomic(module.policy, tokenizer, output_dir / "hf_model")
+            OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+            write_json_atomic(output_dir / "summary.json", summary)
+            print_before_after(summary)
+            if cfg.logger.backend == "wandb" and wandb_mode(cfg) == "offline":
+                print(f"W&B ran offline (no credentials); upload with: wandb sync {output_dir / 'wandb'}/offline-run-*")
+    except BaseException:
+        finish_logger(logger, failed=True)
+        raise
+    finish_logger(logger, failed=False)
     return summary
 
 
@@ -191,7 +204,8 @@ def build_module(cfg: DictConfig, policy, tokenizer, source):
     components = {}
     if cfg.algorithm.kind == "online":
         components = dict(kl_estimator=cfg.kl_estimator, advantage=cfg.advantage, reward=cfg.reward,
-                          data_curriculum=cfg.data_curriculum, cache_dir=cfg.paths.cache_dir, seed=cfg.seed)
+                          data_curriculum=cfg.data_curriculum, roles=cfg.roles, cache_dir=cfg.paths.cache_dir,
+                          seed=cfg.seed)
     from hydra.errors import InstantiationException
 
     try:
@@ -215,8 +229,8 @@ def warm_start(cfg: DictConfig) -> str | None:
     settings = cfg.algorithm.get("warm_start")
     if cfg.algorithm.kind != "online" or not settings or settings.steps <= 0:
         return None
-    if cfg.model.init_from or cfg.ckpt_path:
-        return None
+    if cfg.model.init_from:
+        return None  # (a resumed run finds its warm start in the cache: its frozen roles start there)
     target_accuracy = settings.get("until_accuracy")
     if target_accuracy is not None and not 0.0 < target_accuracy <= 1.0:
         raise ConfigError(f"algorithm.warm_start.until_accuracy={target_accuracy} must lie in (0, 1]")

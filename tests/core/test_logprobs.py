@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from posttrain.core import entropy_from_logits, logprobs_from_logits
+from posttrain.core import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 
 
 def test_logprobs_match_log_softmax_gather():
@@ -68,3 +68,174 @@ def test_nan_logits_are_caught_before_the_loss():
     logits[0, 0, 1] = float("nan")
     with pytest.raises(ValueError, match="loss_mat"):
         aggregate_loss(-entropy_from_logits(logits), torch.ones(1, 2), "token-mean")
+
+
+# ---------------------------------------------------------------- token_logprobs_and_entropy
+
+
+def _reference(logits, labels, support=None):
+    """Unchunked float32 (float64 stays float64) log-probs and entropy, optionally with
+    logits outside a dense [B, T, V] support mask set to -inf (the old sampling-mask path)."""
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if support is not None:
+        z = z.masked_fill(~support, float("-inf"))
+    logp_all = torch.log_softmax(z, -1)
+    logp = logp_all.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(labels < 0, torch.zeros_like(logp), logp)
+    p = logp_all.exp()
+    entropy = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
+    return logp, entropy
+
+
+def _grads(fn, logits, weights):
+    z = logits.detach().clone().requires_grad_(True)
+    logp, entropy = fn(z)
+    ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+    return logp.detach(), entropy.detach(), z.grad
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 4096])
+def test_token_logprobs_and_entropy_match_unchunked_reference_with_grads(dtype, tol, chunk_tokens):
+    torch.manual_seed(3)
+    logits = (torch.randn(3, 7, 50, dtype=torch.float64) * 4).to(dtype)
+    labels = torch.randint(0, 50, (3, 7))
+    labels[1, 5:] = -100
+    weights = torch.randn(2, 3, 7, dtype=torch.float64).to(torch.float32 if dtype != torch.float64 else dtype)
+    ours = _grads(lambda z: token_logprobs_and_entropy(z, labels, with_entropy=True, chunk_tokens=chunk_tokens),
+                  logits, weights)
+    ref = _grads(lambda z: _reference(z, labels), logits, weights)
+    assert ours[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    for a, b in zip(ours, ref):
+        # the bf16 gradient is rounded to bf16 in both paths (a bf16 ulp is ~0.4% of the value)
+        rtol = 1e-2 if a.dtype == torch.bfloat16 else tol
+        torch.testing.assert_close(a, b, atol=tol, rtol=rtol)
+    assert (ours[0][1, 5:] == 0).all()
+
+
+def test_chunk_size_does_not_change_results_or_grads():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 9, 33, dtype=torch.bfloat16)
+    labels = torch.randint(0, 33, (4, 9))
+    support = torch.randint(0, 34, (4, 9), dtype=torch.int32)
+    weights = torch.randn(2, 4, 9)
+
+    def run(chunk):
+        return _grads(lambda z: token_logprobs_and_entropy(z, labels, with_entropy=True, support_size=support,
+                                                           chunk_tokens=chunk), logits, weights)
+
+    one_chunk = run(4 * 9)
+    for chunk in (1, 4, 7):  # smaller than B*T, dividing it or not
+        for a, b in zip(run(chunk), one_chunk):
+            assert torch.equal(a, b)
+
+
+def test_sliced_logits_are_chunked_without_copy_and_give_same_result():
+    """logits[:, P-1:-1] is not flattenable as a view; rows are chunked separately."""
+    torch.manual_seed(5)
+    full = torch.randn(2, 8, 13, dtype=torch.float64)
+    sliced = full[:, 2:-1]
+    labels = torch.randint(0, 13, (2, 5))
+    logp, entropy = token_logprobs_and_entropy(sliced, labels, with_entropy=True, chunk_tokens=3)
+    ref_logp, ref_entropy = _reference(sliced.contiguous(), labels)
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(entropy, ref_entropy)
+
+
+def test_entropy_is_skipped_or_detached_on_request():
+    logits = torch.randn(2, 3, 10, requires_grad=True)
+    labels = torch.randint(0, 10, (2, 3))
+    logp, entropy = token_logprobs_and_entropy(logits, labels, with_entropy=False)
+    assert entropy is None and logp.grad_fn is not None
+    logp, entropy = token_logprobs_and_entropy(logits, labels, with_entropy=True, entropy_grad=False)
+    assert entropy.grad_fn is None and not entropy.requires_grad
+    assert logp.grad_fn is not None
+    torch.testing.assert_close(entropy, _reference(logits.detach(), labels)[1])
+    logp.sum().backward()  # the log-prob gradient still flows
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+def test_no_float32_copy_of_the_whole_logits_is_kept_for_backward():
+    """Per-chunk recomputation: what autograd stores until the backward is the half-precision
+    logits (views), never float32 tensors larger than one chunk."""
+    logits = torch.randn(4, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 64, (4, 16))
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, entropy = token_logprobs_and_entropy(logits, labels, with_entropy=True, chunk_tokens=8)
+    assert saved, "expected the chunk inputs to be saved"
+    assert all(n <= 8 * 64 for dtype, n in saved if dtype == torch.float32)
+    (logp.sum() + entropy.sum()).backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_temperature_is_applied_per_chunk():
+    torch.manual_seed(6)
+    logits = torch.randn(2, 4, 12, dtype=torch.float64)
+    labels = torch.randint(0, 12, (2, 4))
+    ours = token_logprobs_and_entropy(logits, labels, with_entropy=True, temperature=0.7)
+    for a, b in zip(ours, _reference(logits / 0.7, labels)):
+        torch.testing.assert_close(a, b)
+
+
+def _dense_top_k(logits, k):
+    """The old dense [B, T, V] mask: True on the k largest logits per position (k = 0: all)."""
+    rank = logits.argsort(-1, descending=True).argsort(-1)
+    return (rank < k.unsqueeze(-1)) | (k == 0).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_support_size_renormalisation_equals_dense_mask(dtype):
+    torch.manual_seed(7)
+    vocab = 40
+    logits = torch.randn(3, 6, vocab, dtype=torch.float64).to(dtype)
+    if dtype == torch.bfloat16:  # distinct values per position (exact in bf16): no ties at the boundary
+        logits = (torch.stack([torch.randperm(vocab) for _ in range(3 * 6)]).view(3, 6, vocab) / 8.0).to(dtype)
+    k = torch.randint(1, vocab + 1, (3, 6), dtype=torch.int32)
+    k[0, 4:] = 0  # padding: no restriction
+    dense = _dense_top_k(logits, k)
+    # a label inside the support (the sampler only draws from it)
+    labels = torch.multinomial(dense.flatten(0, 1).float(), 1).view(3, 6)
+    labels[0, 4:] = -100
+    weights = torch.randn(2, 3, 6)
+    if dtype == torch.float64:
+        weights = weights.double()
+    ours = _grads(lambda z: token_logprobs_and_entropy(z, labels, with_entropy=True, support_size=k, chunk_tokens=4),
+                  logits, weights)
+    ref = _grads(lambda z: _reference(z, labels, support=dense), logits, weights)
+    for a, b in zip(ours, ref):
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(a, b, atol=tol, rtol=1e-2 if a.dtype == torch.bfloat16 else tol)
+    assert torch.isfinite(ref[2]).all()
+
+
+def test_support_size_full_vocab_or_zero_changes_nothing():
+    torch.manual_seed(8)
+    logits = torch.randn(2, 5, 9, dtype=torch.float64)
+    labels = torch.randint(0, 9, (2, 5))
+    plain = token_logprobs_and_entropy(logits, labels, with_entropy=True)
+    for k in (0, 9):
+        full = torch.full((2, 5), k, dtype=torch.int32)
+        for a, b in zip(token_logprobs_and_entropy(logits, labels, with_entropy=True, support_size=full), plain):
+            torch.testing.assert_close(a, b)
+
+
+def test_support_is_widened_to_keep_a_label_ranked_just_outside():
+    """A sampler/trainer rounding mismatch can rank the sampled token k+1 in the trainer's
+    logits; the support then grows to reach it rather than giving log-prob -inf."""
+    logits = torch.tensor([[[3.0, 2.0, 1.0, 0.0]]], dtype=torch.float64)
+    labels = torch.tensor([[2]])  # rank 3, support_size 2
+    logp, _ = token_logprobs_and_entropy(logits, labels, with_entropy=False, support_size=torch.tensor([[2]]))
+    expected = torch.log_softmax(logits[..., :3], -1)[..., 2]
+    torch.testing.assert_close(logp, expected)
+
+
+def test_support_size_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="support_size"):
+        token_logprobs_and_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), with_entropy=False,
+                                   support_size=torch.zeros(2, 4, dtype=torch.int32))

@@ -8,6 +8,7 @@ import math
 import lightning as L
 import torch
 
+from posttrain.distributed import all_reduce_sum
 from posttrain.rollout import SamplingParams, build_rollout
 
 
@@ -45,15 +46,20 @@ class PosttrainModule(L.LightningModule):
         self._eval_correct: list[float] = []
         self._eval_lengths: list[float] = []
 
+    def configure_model(self) -> None:
+        """Where a parallel strategy shards the model (FSDP2); plain data parallelism needs nothing."""
+
     # --- optimisation -------------------------------------------------------------------
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad],
-            lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=tuple(self.optim.betas),
-        )
+        return self.make_optimizer([p for p in self.policy.parameters() if p.requires_grad], self.optim)
+
+    def make_optimizer(self, parameters, optim) -> dict:
+        """AdamW with linear warm-up and cosine decay over `trainer.max_steps`, from an `optim`
+        node (lr, weight_decay, betas, warmup_steps, min_lr_ratio); one per trainable role."""
+        optimizer = torch.optim.AdamW(parameters, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 1
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, self.optim.warmup_steps, total, self.optim.min_lr_ratio)
+            optimizer, lambda step: warmup_cosine(step, optim.warmup_steps, total, optim.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -85,10 +91,12 @@ class PosttrainModule(L.LightningModule):
         self._eval_lengths += rollout.response_lengths().float().tolist()
 
     def on_validation_epoch_end(self):
-        if not self._eval_correct:
+        # each rank scored its own shard of the held-out prompts: reduce sums and counts
+        totals = all_reduce_sum(torch.tensor([sum(self._eval_correct), sum(self._eval_lengths),
+                                              float(len(self._eval_correct))], dtype=torch.float64, device=self.device))
+        if totals[2] == 0:
             return
-        accuracy = sum(self._eval_correct) / len(self._eval_correct)
-        length = sum(self._eval_lengths) / len(self._eval_lengths)
+        accuracy, length = float(totals[0] / totals[2]), float(totals[1] / totals[2])
         self.log_dict({"eval/accuracy": accuracy, "eval/response_len": length}, prog_bar=True)
         self.evaluated_at_step = self.trainer.global_step
         self._eval_correct, self._eval_lengths = [], []

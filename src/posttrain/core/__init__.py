@@ -58,7 +58,7 @@ from .kl import (
     kl_unbiased_gradient,
 )
 from .length import dapo_overlong_penalty, kimi_length_reward
-from .logprobs import entropy_from_logits, logprobs_from_logits
+from .logprobs import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from .masked import drop_truncated, masked_mean, masked_sum, masked_var, masked_whiten, zero_padding
 from .policy_loss import (
     POLICY_LOSSES,
@@ -81,7 +81,7 @@ from .preference import (
     preference_loss,
     simpo_loss,
 )
-from .value import ptx_loss, value_loss
+from .value import explained_variance, ptx_loss, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "DISTILL_DIVERGENCES", "KL_CONTROLLERS",
@@ -91,7 +91,7 @@ __all__ = [
     "check_finite", "cispo_loss", "clamped_log_ratio", "compute_advantages",
     "compute_policy_loss", "count_tokens_and_seqs", "dapo_overlong_penalty",
     "discounted_returns", "distill_divergence", "dpo_loss", "dr_grpo_advantages", "drop_truncated",
-    "entropy_from_logits", "forward_kl", "gae_advantages", "generalized_jsd", "group_ids",
+    "entropy_from_logits", "explained_variance", "forward_kl", "gae_advantages", "generalized_jsd", "group_ids",
     "informative_groups",
     "grpo_advantages", "gspo_loss", "gspo_sequence_log_ratio", "hinge_loss", "ipo_loss",
     "kdrl_k2_loss", "kdrl_reward_mask", "kimi_length_reward", "kl_abs", "kl_k1", "kl_k2", "kl_k3",
@@ -100,5 +100,5 @@ __all__ = [
     "ppo_clip_loss", "preference_loss", "prm_step_advantages", "ptx_loss",
     "reinforce_loss", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
     "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sapo_loss", "sequence_scores",
-    "set_finite_checks", "simpo_loss", "value_loss", "zero_padding",
+    "set_finite_checks", "simpo_loss", "token_logprobs_and_entropy", "value_loss", "zero_padding",
 ]

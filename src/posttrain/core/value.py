@@ -7,7 +7,7 @@ import torch
 from .aggregation import aggregate_loss
 from .checks import check_finite, check_shape, valid_mask
 from .logprobs import logprobs_from_logits
-from .masked import masked_mean, zero_padding
+from .masked import masked_mean, masked_var, zero_padding
 
 
 def value_loss(
@@ -80,3 +80,13 @@ def ptx_loss(
         num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant,
         dp_size=dp_size, count_empty_rows=count_empty_rows,
     )
+
+
+def explained_variance(predictions, targets, mask) -> torch.Tensor:
+    """1 - Var(targets - predictions) / Var(targets) over valid tokens (the critic's fit: 1 is
+    perfect, 0 no better than the mean, < 0 worse); 0 when the targets do not vary."""
+    check_shape("targets", targets, predictions.shape, "predictions")
+    check_shape("mask", mask, predictions.shape, "predictions")
+    var_targets = masked_var(targets, mask, unbiased=False)
+    var_residual = masked_var(targets - predictions, mask, unbiased=False)
+    return torch.where(var_targets > 0, 1.0 - var_residual / var_targets.clamp_min(1e-30), torch.zeros_like(var_targets))

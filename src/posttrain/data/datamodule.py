@@ -17,12 +17,25 @@ from posttrain.data.sources import Example
 
 
 class ExampleCursor:
-    """A resumable position in the endless example stream of one split."""
+    """A resumable position in the endless example stream of one split.
 
-    def __init__(self, source, split: str, seed: int, position: int = 0):
+    Under data parallelism rank ``r`` of ``world_size`` W takes stream positions r, r+W,
+    r+2W, ...: ranks draw disjoint prompts, and their union is the single-process stream.
+    ``position`` counts the examples this rank has taken (what a resume restores).
+    """
+
+    def __init__(self, source, split: str, seed: int, position: int = 0, rank: int = 0, world_size: int = 1):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"ExampleCursor needs 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.source, self.split, self.seed, self.position = source, split, seed, position
+        self.rank, self.world_size = rank, world_size
+
+    def stream_position(self, position: int) -> int:
+        """Where this rank's ``position``-th example lies in the single-process stream."""
+        return self.rank + position * self.world_size
 
     def index(self, position: int) -> int:
+        """The source index at single-process stream ``position``."""
         size = self.source.size(self.split)
         if size is None:
             return position
@@ -31,7 +44,8 @@ class ExampleCursor:
         return int(order[offset])
 
     def take(self, count: int) -> list[Example]:
-        examples = [self.source.example(self.split, self.index(p)) for p in range(self.position, self.position + count)]
+        examples = [self.source.example(self.split, self.index(self.stream_position(p)))
+                    for p in range(self.position, self.position + count)]
         self.position += count
         return examples
 

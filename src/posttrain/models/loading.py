@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.tiny import build_char_tokenizer, build_tiny_model
@@ -53,7 +54,41 @@ def load_tokenizer_and_model(model_cfg, alphabet: str):
         tokenizer, model = load_pretrained(model_cfg.name_or_path, "model.name_or_path", dtype)
     if model_cfg.get("init_from"):
         load_initial_weights(model, model_cfg.init_from)
+    disable_dropout(model)
     return tokenizer, model
+
+
+def _is_dropout_name(name: str) -> bool:
+    return "dropout" in name or name.endswith("pdrop")  # attention_dropout, resid_pdrop, ...
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Switch every dropout off for good, in train() mode too (as TRL and torchtune do).
+
+    The sampler runs in eval mode, so a training forward with dropout scores the sampled
+    tokens under a different (noisy) policy: the PPO ratio is not 1 at the first step and
+    the KL/ref terms are noisy.  Three places hold a rate: ``nn.Dropout`` modules, float
+    attributes copied from the config at construction (HF attention keeps
+    ``self.attention_dropout`` and calls ``F.dropout`` with it), and the config itself
+    (read by modules built later, and saved with the checkpoint).  Returns ``model``.
+    """
+    from transformers import PretrainedConfig
+
+    def zero_rates(obj) -> None:
+        for name, value in list(vars(obj).items()):
+            if _is_dropout_name(name) and isinstance(value, float):
+                setattr(obj, name, 0.0)
+            elif isinstance(value, PretrainedConfig):
+                zero_rates(value)  # sub-configs (text_config, ...)
+
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):  # Dropout, Dropout1d/2d/3d, AlphaDropout
+            module.p = 0.0
+        else:
+            zero_rates(module)
+    if isinstance(getattr(model, "config", None), PretrainedConfig):
+        zero_rates(model.config)
+    return model
 
 
 def load_pretrained(name: str, key: str, dtype=torch.float32):
@@ -75,11 +110,12 @@ def load_pretrained(name: str, key: str, dtype=torch.float32):
     return tokenizer, model
 
 
-def load_initial_weights(model, init_from: str) -> None:
-    """Start weights from a Lightning checkpoint (its `policy.*` tensors) or an HF directory."""
+def load_initial_weights(model, init_from: str, key: str = "model.init_from") -> None:
+    """Start weights from a Lightning checkpoint (its `policy.*` tensors) or an HF directory;
+    errors name the config ``key`` that pointed here."""
     path = Path(init_from).expanduser()
     if not path.exists():
-        raise CheckpointError(f"model.init_from={init_from!r}: no such file or directory")
+        raise CheckpointError(f"{key}={init_from!r}: no such file or directory")
     if path.is_dir():
         from transformers import AutoModelForCausalLM
 
@@ -88,13 +124,13 @@ def load_initial_weights(model, init_from: str) -> None:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the user's culprit
-            raise CheckpointError(f"model.init_from={init_from!r} is not a readable checkpoint: {err}") from None
+            raise CheckpointError(f"{key}={init_from!r} is not a readable checkpoint: {err}") from None
         state = {k[len("policy."):]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith("policy.")}
         if not state:
-            raise CheckpointError(f"model.init_from={init_from!r} holds no 'policy.*' weights")
+            raise CheckpointError(f"{key}={init_from!r} holds no 'policy.*' weights")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied heads are not stored twice
     if missing or unexpected:
         raise CheckpointError(
-            f"model.init_from={init_from!r} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            f"{key}={init_from!r} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )

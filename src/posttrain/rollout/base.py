@@ -6,13 +6,20 @@ Which distribution ``RolloutBatch.logprobs`` refers to
 ``logprobs[b, t] = log_softmax(logits_t / temperature)[token]`` over the FULL vocabulary,
 i.e. temperature applied, top-k / top-p NOT applied.  This is what verl/TRL recompute as
 "old" log-probs during training (they never truncate the vocabulary), so a fresh policy
-forward at the same weights reproduces them and the PPO ratio starts at exactly 1.  When
-top-k/top-p are on, the token was actually drawn from the renormalised truncated
-distribution; training can recover that distribution with ``sampling_mask`` (DeepSeek-V3.2
-"keep sampling mask": renormalise the new policy over the same kept support), or the
-caller can compute it directly as
-``logprobs - logsumexp(log_softmax(logits/T)[sampling_mask])``.
+forward at the same weights reproduces them and the PPO ratio starts at exactly 1.
 Greedy decoding reports the same quantity (with ``temperature`` if > 0, else 1).
+
+The kept top-k / top-p support (``return_support=True``)
+-------------------------------------------------------
+When top-k/top-p are on, the token was actually drawn from the distribution renormalised
+over the kept tokens.  Both filters keep a prefix of the tokens sorted by logit, so the
+support at each position is fully described by its size: ``support_size[b, t]`` = number
+of kept tokens, i.e. the kept set is the top-``support_size`` tokens of the tempered
+logits (a dense [B, T, V] mask would be hundreds of GB at real sizes).  Training
+renormalises the new policy over the same set with
+``core.token_logprobs_and_entropy(..., support_size=batch.support_size)`` (DeepSeek-V3.2
+"keep sampling mask"); ``support_logprobs`` is the sampler's own log-prob renormalised over
+that set, the quantity to compare it with (e.g. for V3.2's off-policy sequence mask).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
-    return_sampling_mask: bool = False
+    return_support: bool = False  # fill RolloutBatch.support_size / support_logprobs
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -67,7 +74,9 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [B, T] long, 1 = generated token, including the ending EOS
     logprobs: torch.Tensor  # [B, T] float, log_softmax(logits / T) of the sampled token; 0 on padding
     truncated: torch.Tensor  # [B] bool, True = hit max_new_tokens without EOS
-    sampling_mask: Optional[torch.Tensor] = None  # [B, T, V] bool, tokens kept by top-k/top-p
+    # Only with SamplingParams.return_support (else None); both 0 on padding:
+    support_size: Optional[torch.Tensor] = None  # [B, T] int32, tokens kept by top-k/top-p (V if no filter)
+    support_logprobs: Optional[torch.Tensor] = None  # [B, T] float, log-prob renormalised over that support
 
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
@@ -146,11 +155,26 @@ def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.T
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
+def support_of(
+    processed: torch.Tensor, keep: Optional[torch.Tensor], token: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(support_size, support_logprob) of ``token`` [...] given ``sampling_logits_processor``'s
+    output for it ([..., V]): the number of kept tokens (V when no filter is on) and the
+    token's log-prob renormalised over them."""
+    if keep is None:
+        size = torch.full(token.shape, processed.shape[-1], dtype=torch.int32, device=token.device)
+    else:
+        size = keep.sum(dim=-1, dtype=torch.int32)
+    logprob = processed.log_softmax(dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    return size, logprob
+
+
 def sample_next_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
     """One decoding step shared by the KV-cache loops: returns (token [B], logprob [B],
-    keep_mask [B, V] or None).  ``logprob`` follows the module docstring convention."""
+    support), ``support`` = ``support_of(...)`` when ``params.return_support`` else None.
+    ``logprob`` follows the module docstring convention."""
     processed, keep = sampling_logits_processor(logits, params)
     if keep is None:
         full = processed  # no filter: the processed logits ARE the full tempered logits
@@ -164,7 +188,8 @@ def sample_next_token(
     else:
         token = draw_from(processed.softmax(dim=-1), generator)
     logprob = logp.gather(1, token[:, None]).squeeze(1)
-    return token, logprob, keep
+    support = support_of(processed, keep, token) if params.return_support else None
+    return token, logprob, support
 
 
 # --------------------------------------------------------------------------- helpers
@@ -198,10 +223,12 @@ def finalize_rollout(
     max_new_tokens: int,
     eos: torch.Tensor,
     pad_token_id: int,
-    keep_masks: Optional[torch.Tensor] = None,
+    support_sizes: Optional[torch.Tensor] = None,
+    support_logprobs: Optional[torch.Tensor] = None,
 ) -> RolloutBatch:
     """Turn what a loop sampled ([B, T'] tokens, T' <= T; anything after a row's first EOS
-    is ignored) into a RolloutBatch padded to T = max_new_tokens columns.
+    is ignored) into a RolloutBatch padded to T = max_new_tokens columns.  The optional
+    ``support_*`` [B, T'] (see ``support_of``) are padded the same way, with 0.
 
     Doing the EOS bookkeeping once here, vectorised, keeps it out of the per-token loop.
     """
@@ -209,30 +236,30 @@ def finalize_rollout(
     device = raw_tokens.device
     tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     tokens[:, :steps] = raw_tokens
-    logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
-    logprobs[:, :steps] = raw_logprobs
     is_eos = torch.isin(tokens, eos)
     is_eos[:, steps:] = False  # the pad filler may equal an EOS id
     # a token is part of the response if no EOS came strictly before it
     eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
     in_response = (eos_before == 0) & (torch.arange(max_new_tokens, device=device) < steps)
     tokens = tokens.masked_fill(~in_response, pad_token_id)
-    logprobs = logprobs.masked_fill(~in_response, 0.0)
     truncated = ~is_eos.any(dim=1)
-    sampling_mask = None
-    if keep_masks is not None:
-        vocab = keep_masks.shape[-1]
-        sampling_mask = torch.zeros((batch, max_new_tokens, vocab), dtype=torch.bool, device=device)
-        sampling_mask[:, :steps] = keep_masks
-        sampling_mask &= in_response[:, :, None]
+
+    def per_token(raw: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        if raw is None:
+            return None
+        out = torch.zeros((batch, max_new_tokens), dtype=dtype, device=device)
+        out[:, :steps] = raw
+        return out.masked_fill(~in_response, 0)
+
     return RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask.long(),
         response_ids=tokens,
         response_mask=in_response.long(),
-        logprobs=logprobs,
+        logprobs=per_token(raw_logprobs, torch.float32),
         truncated=truncated,
-        sampling_mask=sampling_mask,
+        support_size=per_token(support_sizes, torch.int32),
+        support_logprobs=per_token(support_logprobs, torch.float32),
     )
 
 

@@ -91,7 +91,9 @@ class FastSampler:
         # [T, B] buffers so each step writes one contiguous row
         tokens = torch.empty((steps_max, batch), dtype=torch.long, device=device)
         logprobs = torch.empty((steps_max, batch), dtype=torch.float32, device=device)
-        keeps: list[torch.Tensor] = []
+        if params.return_support:
+            support_sizes = torch.empty((steps_max, batch), dtype=torch.int32, device=device)
+            support_logprobs = torch.empty((steps_max, batch), dtype=torch.float32, device=device)
         single_eos = int(eos[0]) if eos.numel() == 1 else None
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         # the all-done check reads a value back; on an accelerator that is a sync, so do
@@ -99,18 +101,20 @@ class FastSampler:
         check_every = 1 if device.type == "cpu" else 8
         steps = 0
         while True:
-            token, logprob, keep = sample_next_token(logits, params, generator)
+            token, logprob, support = sample_next_token(logits, params, generator)
             tokens[steps] = token
             logprobs[steps] = logprob
-            if params.return_sampling_mask:
-                keeps.append(keep if keep is not None else torch.ones_like(logits, dtype=torch.bool))
+            if support is not None:
+                support_sizes[steps], support_logprobs[steps] = support
             steps += 1
             done |= (token == single_eos) if single_eos is not None else torch.isin(token, eos)
             if steps == steps_max or (steps % check_every == 0 and bool(done.all())):
                 break
             logits = step(token)
 
-        keep_masks = torch.stack(keeps, dim=1) if keeps else None
+        support = {}
+        if params.return_support:
+            support = {"support_sizes": support_sizes[:steps].t(), "support_logprobs": support_logprobs[:steps].t()}
         return finalize_rollout(
             prompt_ids,
             prompt_mask,
@@ -119,7 +123,7 @@ class FastSampler:
             steps_max,
             eos,
             pad_token_id,
-            keep_masks,
+            **support,
         )
 
 

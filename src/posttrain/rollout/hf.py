@@ -2,7 +2,7 @@
 
 HF's own sampling warpers are all switched off and our ``sampling_logits_processor`` is
 passed in as the only logits processor, so both engines sample from exactly the same
-distribution.  Log-probs and the sampling mask are computed afterwards from the RAW
+distribution.  Log-probs and the kept support are computed afterwards from the RAW
 logits HF returns (``output_logits=True``), with the same shared code as ``fast``.
 """
 
@@ -24,6 +24,7 @@ from .base import (
     finalize_rollout,
     fork_rng_from,
     sampling_logits_processor,
+    support_of,
 )
 
 
@@ -89,10 +90,11 @@ class HFSampler:
         raw_logits = torch.stack(out.logits, dim=1).float()  # [B, T', V], before any processor
         full = raw_logits / params.logprob_temperature
         raw_logprobs = full.log_softmax(dim=-1).gather(2, raw_tokens[..., None]).squeeze(2)
-        keep_masks = None
-        if params.return_sampling_mask:
-            _, keep = sampling_logits_processor(raw_logits, params)
-            keep_masks = keep if keep is not None else torch.ones_like(raw_logits, dtype=torch.bool)
+        support = {}
+        if params.return_support:
+            processed, keep = sampling_logits_processor(raw_logits, params)
+            sizes, support_logprobs = support_of(processed, keep, raw_tokens)
+            support = {"support_sizes": sizes, "support_logprobs": support_logprobs}
         return finalize_rollout(
             prompt_ids,
             prompt_mask,
@@ -101,5 +103,5 @@ class HFSampler:
             params.max_new_tokens,
             eos,
             pad_token_id,
-            keep_masks,
+            **support,
         )

@@ -1,0 +1,103 @@
+"""The typed batch every online-RL stage reads and extends, and the training forward.
+
+`collect` fills the rollout fields; `annotate` adds what the configured scorers compute
+(old, reference log-probs, critic values); `advantages` adds token rewards, advantages and
+returns. A field no stage needs stays None: nothing is computed that nobody reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class Experience:
+    """A scored rollout batch: B = prompts x group_size rows, T response columns."""
+
+    prompt_ids: torch.Tensor        # [B, P] left-padded
+    prompt_mask: torch.Tensor       # [B, P]
+    response_ids: torch.Tensor      # [B, T]
+    response_mask: torch.Tensor     # [B, T] float, 1 = generated token (incl. EOS)
+    rollout_logprobs: torch.Tensor  # [B, T] from the sampler (full vocabulary)
+    truncated: torch.Tensor         # [B] bool
+    scores: torch.Tensor            # [B] total reward
+    correct: torch.Tensor           # [B] float, verifier accuracy (nan when no accuracy reward)
+    group_index: torch.Tensor       # [B] prompt id
+    support_size: torch.Tensor | None = None       # [B, T] kept top-k/top-p support per token
+    support_logprobs: torch.Tensor | None = None   # [B, T] sampler log-probs renormalised on it
+    # --- annotate: one field per scorer ---
+    old_logp: torch.Tensor | None = None   # [B, T] pi_old (None on-policy: the training forward's own)
+    ref_logp: torch.Tensor | None = None   # [B, T] frozen reference
+    values: torch.Tensor | None = None     # [B, T] critic V(s_t) at sampling time
+    # --- advantages ---
+    token_rewards: torch.Tensor | None = None  # [B, T] score at the last token (+ KL shaping)
+    advantages: torch.Tensor | None = None     # [B, T]
+    returns: torch.Tensor | None = None        # [B, T] critic targets
+
+    def without_trailing_padding(self) -> "Experience":
+        """Drop the response columns that are padding in every row. Attention is causal, so
+        they never touch a real token: removing them changes no log-prob, only the cost."""
+        width = max(1, int(self.response_mask.sum(dim=1).max()))
+        return replace(self, **{f.name: getattr(self, f.name)[:, :width] for f in fields(self)
+                                if f.name in PER_TOKEN and getattr(self, f.name) is not None})
+
+    def select(self, rows: torch.Tensor) -> "Experience":
+        return Experience(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                             for f in fields(self)})
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    @staticmethod
+    def concat(parts: list["Experience"], pad_token_id: int) -> "Experience":
+        """Stack rounds; prompts of different widths are left-padded to the widest."""
+        width = max(p.prompt_ids.shape[1] for p in parts)
+
+        def left_pad(x: torch.Tensor, value: int) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+        merged = {}
+        for f in fields(Experience):
+            values = [getattr(p, f.name) for p in parts]
+            if values[0] is None:
+                merged[f.name] = None
+            elif f.name == "prompt_ids":
+                merged[f.name] = torch.cat([left_pad(v, pad_token_id) for v in values])
+            elif f.name == "prompt_mask":
+                merged[f.name] = torch.cat([left_pad(v, 0) for v in values])
+            else:
+                merged[f.name] = torch.cat(values)
+        return Experience(**merged)
+
+
+PER_TOKEN = ("response_ids", "response_mask", "rollout_logprobs", "support_size", "support_logprobs", "old_logp",
+             "ref_logp", "values", "token_rewards", "advantages", "returns")
+
+
+def sequence_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    """Logits predicting each response token, [B, T, V], in the model's dtype (upcast later,
+    chunk by chunk). Positions count real tokens only, as the samplers do, so left padding does
+    not shift a prompt's positions. Only the response positions go through the LM head."""
+    input_ids, attention_mask, position_ids = _inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    width = response_ids.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=width + 1).logits
+    return logits[:, :-1]
+
+
+def sequence_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    """Last hidden states at the positions that predict each response token, [B, T, H]: the
+    input of the LM head (policy) or of a value head (critic)."""
+    input_ids, attention_mask, position_ids = _inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids).last_hidden_state
+    return hidden[:, prompt_ids.shape[1] - 1 : -1]
+
+
+def _inputs(prompt_ids, prompt_mask, response_ids, response_mask):
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids

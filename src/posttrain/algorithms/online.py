@@ -1,0 +1,560 @@
+"""One online-RL LightningModule for every online algorithm: the GRPO family (GRPO, Dr. GRPO,
+DAPO, GSPO, CISPO, SAPO, the DeepSeek-V3.2 fixes) and PPO are configurations of it. A preset
+in conf/algorithm/ is a choice of policy loss, clip range, aggregation, advantage, KL
+estimator, reward, curriculum and, for PPO, a critic and a pretraining (ptx) term.
+
+One `training_step` is one rollout batch, four named and timed stages over an `Experience`
+(`perf/<stage>_s`), as in the papers' algorithm boxes:
+
+  1. collect     prompts from the curriculum -> `group_size` samples each -> rewards
+                 (dynamic sampling's extra rounds happen here)
+  2. annotate    each configured scorer adds its tensors: old log-probs (only off-policy or
+                 for a KL in the reward), reference log-probs (only with a KL term), critic
+                 values (only with a critic)
+  3. advantages  score at the last token (- beta * KL when placed in the reward) ->
+                 `core.compute_advantages` (GAE with the critic's values)
+  4. update      ppo_epochs x minibatches x micro-batches; the loss is a sum of terms
+                 (terms.py: policy, KL, entropy, value; plus ptx), global token counts
+
+Step counters: `trainer.max_steps` counts policy optimiser steps (Lightning's global step);
+one rollout batch makes ppo_epochs x num_minibatches of them (none while the critic warms
+up or when a batch has no signal). `train_batches_seen` counts rollout batches; evaluation,
+logging and curricula follow it.
+
+Data parallelism lives here, not in an algorithm: each rank draws its own prompts (disjoint
+streams), seeds its sampler with its rank, sums token and sequence counts over ranks before
+aggregating, and averages gradients by hand before each optimiser step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+
+from posttrain import core
+from posttrain.algorithms.base import PosttrainModule, decode_responses
+from posttrain.algorithms.experience import Experience, sequence_hidden_states, sequence_logits
+from posttrain.algorithms.terms import EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
+from posttrain.data.curriculum import build_curriculum
+from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
+from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.errors import ConfigError, RewardError
+from posttrain.models.roles import ValueModel, build_role
+from posttrain.rewards import ScoredSample, build_reward
+from posttrain.rollout import SamplingParams
+
+# Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
+KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")
+STAGES = ("collect", "annotate", "advantages", "update")
+# Rollout batches in a row without a learning signal (every group flat on every rank) after
+# which the run stops: the data or the reward gives the policy nothing to learn from.
+MAX_BATCHES_WITHOUT_SIGNAL = 50
+# Term stats aggregated with the global token/sequence counts: they sum over micro-batches.
+GLOBAL_STATS = ("policy/loss", "policy/kl", "policy/entropy", "critic/value_loss")
+
+
+class OnlineRLModule(PosttrainModule):
+    """Online RL as collect -> annotate -> advantages -> update (see the module docstring)."""
+
+    train_collate = None  # the module draws its own prompts through the curriculum
+
+    def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, *,
+                 kl_estimator, advantage, reward, data_curriculum, roles, cache_dir=None, seed: int = 0,
+                 prompts_per_step: int = 16, group_size: int = 8, ppo_epochs: int = 1, num_minibatches: int = 1,
+                 micro_batch_size: int | None = None, policy_loss: str = "ppo_clip", clip_low: float | None = 0.2,
+                 clip_high: float | None = 0.2, dual_clip: float | None = None, delta: float | None = None,
+                 log_ratio_clamp: float | None = 20.0, seq_log_ratio_clamp: float | None = None,
+                 ratio_level: str = "token", tau_pos: float = 1.0, tau_neg: float = 1.05,
+                 loss_agg_mode: str = "seq-mean-token-mean", norm_constant: float | None = None,
+                 count_empty_rows: bool = False, mask_truncated: bool = False,
+                 entropy_coef: float = 0.0, max_grad_norm: float | None = 1.0,
+                 offpolicy_mask_delta: float | None = None, keep_sampling_mask: bool = False,
+                 critic=None, ptx_coef: float = 0.0, ptx_batch_size: int = 16):
+        super().__init__(policy, tokenizer, source, optim, rollout, eval_max_new_tokens, max_grad_norm)
+        if policy_loss not in core.POLICY_LOSSES:
+            raise ConfigError(f"algorithm.policy_loss={policy_loss!r} is not one of {sorted(core.POLICY_LOSSES)}")
+        if loss_agg_mode not in core.AGGREGATION_MODES:
+            raise ConfigError(f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of {core.AGGREGATION_MODES}")
+        if advantage.name not in core.ADVANTAGE_ESTIMATORS or advantage.name == "prm_step":
+            raise ConfigError(f"advantage={advantage.name} needs a process reward model, which this algorithm "
+                              f"does not have; use group_norm, group_mean, rloo, reinforce_pp, "
+                              f"reinforce_pp_baseline, or gae with a critic (algorithm=ppo)")
+        if (advantage.name == "gae") != (critic is not None):
+            raise ConfigError("advantage=gae needs a critic and a critic needs advantage=gae: use algorithm=ppo, "
+                              f"or another advantage (got advantage={advantage.name}, "
+                              f"algorithm.critic={'set' if critic is not None else 'null'})")
+        if keep_sampling_mask and rollout.top_k == 0 and rollout.top_p >= 1.0:
+            raise ConfigError("algorithm.keep_sampling_mask=true needs rollout.top_k > 0 or rollout.top_p < 1")
+        for key, value in (("prompts_per_step", prompts_per_step), ("group_size", group_size),
+                           ("ppo_epochs", ppo_epochs), ("num_minibatches", num_minibatches)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"algorithm.{key}={value!r} must be a positive integer")
+        self.automatic_optimization = False
+        self.batch_size = prompts_per_step
+        self.prompts_per_step, self.group_size = prompts_per_step, group_size
+        self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
+        self.seed, self.cache_dir, self.curriculum_cfg = seed, cache_dir, data_curriculum
+        self.keep_sampling_mask, self.mask_truncated = keep_sampling_mask, mask_truncated
+        self.entropy_coef = entropy_coef
+
+        # Aggregation settings shared by every loss term, then the policy loss's own options.
+        self.aggregation = dict(agg_mode=loss_agg_mode, count_empty_rows=count_empty_rows,
+                                norm_constant=norm_constant or rollout.max_new_tokens)  # Dr. GRPO: the budget
+        self.loss_options = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta,
+                                 log_ratio_clamp=log_ratio_clamp, seq_log_ratio_clamp=seq_log_ratio_clamp,
+                                 ratio_level=ratio_level, tau_pos=tau_pos, tau_neg=tau_neg)
+        self.policy_loss = policy_loss
+        self.advantage_name = advantage.name
+        self.advantage_options = {k: v for k, v in advantage.items() if k != "name"}
+
+        # --- KL: estimator, placement, coefficient; the frozen reference only when needed ---
+        self.kl_name, self.kl_placement = kl_estimator.name, kl_estimator.placement
+        self.kl_options = {k: v for k, v in kl_estimator.items() if k not in KL_PLACEMENT_KEYS}
+        uses_kl = self.kl_name != "none" and kl_estimator.coef > 0
+        if uses_kl and self.kl_placement not in ("in_reward", "as_loss"):
+            raise ConfigError(f"kl_estimator.placement={self.kl_placement!r} must be in_reward or as_loss")
+        controller = kl_estimator.get("controller", "fixed")
+        self.kl_controller = core.build_kl_controller(
+            controller, **({"beta": kl_estimator.coef} if controller == "fixed" else
+                           {"init_beta": kl_estimator.coef, "target_kl": kl_estimator.target,
+                            "horizon": kl_estimator.horizon})) if uses_kl else None
+        self.kl_in_reward = uses_kl and self.kl_placement == "in_reward"
+        self.reference = build_role("reference", roles.reference, policy) if uses_kl else None
+
+        # --- critic (PPO): its own backbone by default, or a value head on the policy's ---
+        self.critic_cfg = critic
+        self.critic = None
+        if critic is not None:
+            shared = bool(roles.critic.get("shared_backbone", False))
+            self.critic = ValueModel(policy if shared else build_role("critic", roles.critic, policy))
+            self.shared_critic = shared
+        self.critic_warmup_batches = critic.warmup_batches if critic is not None else 0
+
+        # --- the loss terms of the update stage ---
+        self.policy_term = PolicyTerm(policy_loss, self.loss_options, offpolicy_mask_delta)
+        self.terms = [self.policy_term, EntropyTerm(entropy_coef)]
+        if self.reference is not None:
+            self.terms.append(KLTerm(self.kl_name, self.kl_options, self.kl_controller,
+                                     as_loss=self.kl_placement == "as_loss"))
+        self.value_term = ValueTerm(critic.value_clip, critic.vf_coef) if critic is not None else None
+        self.ptx_coef, self.ptx_batch_size = ptx_coef, ptx_batch_size
+
+        # --- annotate: each scorer fills one Experience field; only those a stage reads ---
+        # With one update per batch pi_old is the current policy: the training forward's own
+        # log-probs, detached, stand in for it (ratio exactly 1) and the extra forward is skipped.
+        self.on_policy = ppo_epochs == 1 and num_minibatches == 1
+        self.scorers = []
+        if not self.on_policy or self.kl_in_reward:
+            self.scorers.append(("old_logp", lambda exp: self.token_logprobs(self.policy, exp)[0]))
+        if self.reference is not None:
+            self.scorers.append(("ref_logp", lambda exp: self.token_logprobs(self.reference, exp)[0]))
+        if self.critic is not None:
+            self.scorers.append(("values", lambda exp: self.critic(exp.prompt_ids, exp.prompt_mask,
+                                                                 exp.response_ids, exp.response_mask)))
+        check_core_options(self)
+        self.reward_cfg = reward
+        self.reward_fn = build_reward(reward, source, rollout.max_new_tokens)
+        self.curriculum = None    # built in setup(), when this process's rank is known
+        self.ptx_cursor = None
+        self.nonfinite_steps = 0  # optimiser steps skipped for a non-finite gradient norm
+        self.batches_without_signal = 0
+        self._restored_state: dict = {}
+
+    # --- set-up, checkpoints ------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.curriculum is not None:
+            return
+        rank, world = rank_and_world()
+        cursor = ExampleCursor(self.source, "train", self.seed, rank=rank, world_size=world)
+        self.curriculum = build_curriculum(self.curriculum_cfg, cursor, self.cache_dir)
+        if self.ptx_coef:
+            # the task's supervised data, in its own stream (distinct seed), for PPO-ptx
+            self.ptx_cursor = ExampleCursor(self.source, "train", self.seed + 1, rank=rank, world_size=world)
+
+    def configure_optimizers(self):
+        head = list(self.critic.head.parameters()) if self.critic is not None and self.shared_critic else []
+        policy = self.make_optimizer([p for p in self.policy.parameters() if p.requires_grad] + head, self.optim)
+        if self.critic is None or self.shared_critic:
+            return policy
+        return [policy, self.make_optimizer(self.critic.trainable_parameters(), self.critic_cfg.optim)]
+
+    def frozen_roles(self) -> list[str]:
+        return ["reference"] if self.reference is not None else []
+
+    def on_save_checkpoint(self, checkpoint):
+        super().on_save_checkpoint(checkpoint)
+        # frozen roles are rebuilt from their config on resume, not stored in every checkpoint
+        prefixes = tuple(f"{role}." for role in self.frozen_roles())
+        if prefixes:
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(prefixes)}
+        checkpoint["curriculum"] = self.curriculum.state_dict()
+        checkpoint["ptx_position"] = self.ptx_cursor.position if self.ptx_cursor is not None else 0
+        checkpoint["nonfinite_steps"] = self.nonfinite_steps
+        if self.kl_controller is not None:
+            checkpoint["kl_controller"] = self.kl_controller.state_dict()
+
+    def on_load_checkpoint(self, checkpoint):
+        super().on_load_checkpoint(checkpoint)
+        for role in self.frozen_roles():
+            checkpoint["state_dict"].update({f"{role}.{k}": v for k, v in getattr(self, role).state_dict().items()})
+        self.curriculum.load_state_dict(checkpoint["curriculum"])
+        if self.ptx_cursor is not None:
+            self.ptx_cursor.position = checkpoint.get("ptx_position", 0)
+        self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)
+        if "kl_controller" in checkpoint and self.kl_controller is not None:
+            self.kl_controller.load_state_dict(checkpoint["kl_controller"])
+
+    def on_fit_start(self):
+        settings = {"samples_per_prompt": 8, "rollout": str(self.rollout_cfg), "reward": str(self.reward_cfg),
+                    "seed": self.seed}
+        self.curriculum.setup(self.estimate_pass_rates, self.weights_fingerprint(), settings)
+
+    def weights_fingerprint(self) -> str:
+        """A short hash of the policy's current weights (what the pass rates were measured on)."""
+        digest = hashlib.sha256()
+        for name, tensor in self.policy.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    # --- the training step: four stages ----------------------------------------------------
+    def training_step(self, ticket, batch_idx):
+        step = self.train_batches_seen
+        timings = {}
+
+        def timed(stage, fn, *args):
+            started = time.perf_counter()
+            out = fn(*args)
+            timings[f"perf/{stage}_s"] = time.perf_counter() - started
+            return out
+
+        exp, metrics, has_signal = timed("collect", self.collect, step)
+        exp = timed("annotate", self.annotate, exp.without_trailing_padding())
+        exp, advantage_metrics = timed("advantages", self.compute_advantages, exp)
+        stats = timed("update", self.update, exp, has_signal)
+
+        if self.kl_controller is not None and "policy/kl" in stats:
+            self.kl_controller.update(stats["policy/kl"], n_steps=len(exp))
+            metrics["policy/kl_coef"] = float(self.kl_controller.value)
+        metrics.update(stats)
+        metrics.update(advantage_metrics)
+        metrics.update(self.rollout_metrics(exp))
+        metrics.update(timings)
+        metrics["perf/tokens_per_s"] = float(exp.response_mask.sum()) / max(timings["perf/collect_s"], 1e-9)
+        metrics.update(self.curriculum.on_step_end(step + 1, metrics.get("rollout/prefilter_accuracy")))
+        self.train_batches_seen += 1
+        metrics["rollout/batch"] = float(self.train_batches_seen)
+        shown = {"rollout/reward_mean", "rollout/accuracy"}
+        self.log_dict({k: v for k, v in metrics.items() if k not in shown})
+        self.log_dict({k: v for k, v in metrics.items() if k in shown}, prog_bar=True)
+
+    # --- 1. collect --------------------------------------------------------------------------
+    def sampling_params(self) -> SamplingParams:
+        r = self.rollout_cfg
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, return_support=self.keep_sampling_mask)
+
+    def rank_seed(self, base: int) -> int:
+        """A generator seed of this rank: the run's own seed in a single process."""
+        rank, world = rank_and_world()
+        return base * world + rank
+
+    def sample_and_score(self, examples, first_group: int, generator) -> tuple[Experience, dict]:
+        prompts = collate_prompts(examples, self.tokenizer)
+        prompt_ids = prompts["prompt_ids"].to(self.device).repeat_interleave(self.group_size, dim=0)
+        prompt_mask = prompts["prompt_mask"].to(self.device).repeat_interleave(self.group_size, dim=0)
+        batch = self.generate(prompt_ids, prompt_mask, self.sampling_params(), generator=generator)
+        texts = decode_responses(self.tokenizer, batch.response_ids, batch.response_mask)
+        lengths = batch.response_lengths().tolist()
+        groups = [first_group + i // self.group_size for i in range(len(texts))]
+        samples = [ScoredSample(examples[i // self.group_size], texts[i], lengths[i], bool(batch.truncated[i]), groups[i])
+                   for i in range(len(texts))]
+        scored = self.reward_fn(samples, self.source)
+        correct = scored.correct.float() if scored.correct is not None else torch.full((len(texts),), float("nan"))
+        experience = Experience(
+            prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, response_ids=batch.response_ids,
+            response_mask=batch.response_mask.float(), rollout_logprobs=batch.logprobs, truncated=batch.truncated,
+            scores=scored.total.to(self.device), correct=correct.to(self.device),
+            group_index=torch.tensor(groups, device=self.device), support_size=batch.support_size,
+            support_logprobs=batch.support_logprobs,
+        )
+        return experience, scored.metrics
+
+    def collect(self, step: int) -> tuple[Experience, dict, bool]:
+        """Prompts -> samples -> rewards, with dynamic sampling's extra rounds when the
+        curriculum asks for them. Returns the batch, its metrics, and whether any rank has a
+        group with a reward spread (without one, no optimiser step is taken)."""
+        generator = torch.Generator(device=self.device).manual_seed(self.rank_seed(self.seed * 1_000_003 + step))
+        kept, metrics, rounds, groups_seen, dropped = [], {}, 0, 0, 0
+        need = self.prompts_per_step
+        first = None
+        while need > 0 and rounds <= self.curriculum.max_extra_rounds:
+            examples = self.curriculum.next_prompts(need if rounds == 0 else self.prompts_per_step)
+            experience, reward_metrics = self.sample_and_score(examples, groups_seen, generator)
+            if rounds == 0:
+                metrics.update(reward_metrics)
+                first = experience
+            groups_seen += len(examples)
+            keep = self.curriculum.keep_groups(experience.scores, experience.correct, experience.group_index)
+            dropped += int((~keep).sum()) // self.group_size
+            kept_groups = experience.group_index[keep].unique()[:need]  # whole groups, no more than needed
+            kept.append(experience.select(torch.isin(experience.group_index, kept_groups)))
+            need -= len(kept_groups)
+            rounds += 1
+        # the first round is an unbiased sample of the policy: what curricula and logs should see
+        metrics["rollout/prefilter_reward_mean"] = float(first.scores.mean())
+        if not torch.isnan(first.correct).any():
+            metrics["rollout/prefilter_accuracy"] = float(first.correct.mean())
+        nonempty = [k for k in kept if len(k)]
+        if self.curriculum.max_extra_rounds:
+            metrics.update({"curriculum/extra_rounds": float(rounds - 1), "curriculum/dropped_groups": float(dropped),
+                            "curriculum/batch_fill": 1.0 - need / self.prompts_per_step})
+        has_signal = bool(all_reduce_sum(torch.tensor(float(bool(nonempty)), device=self.device)) > 0)
+        # a rank without an informative group still joins the update (its advantages are 0)
+        exp = Experience.concat(nonempty, self.tokenizer.pad_token_id) if nonempty else first
+        return exp, metrics, has_signal
+
+    # --- 2. annotate -------------------------------------------------------------------------
+    @torch.no_grad()
+    def annotate(self, exp: Experience) -> Experience:
+        for field, score in self.scorers:
+            setattr(exp, field, score(exp))
+        return exp
+
+    # --- 3. advantages -----------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_advantages(self, exp: Experience) -> tuple[Experience, dict]:
+        mask = exp.response_mask
+        token_rewards = torch.zeros_like(mask)
+        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+        token_rewards[torch.arange(len(last)), last] = exp.scores.float()
+        metrics = {}
+        if self.kl_in_reward:
+            kl = core.kl_penalty(self.kl_name, exp.old_logp, exp.ref_logp, exp.old_logp, **self.kl_options)
+            token_rewards = core.apply_kl_in_reward(token_rewards, kl, self.kl_controller.value, mask)
+            # the KL part of each sequence's return, batch mean
+            metrics["rewards/kl_penalty"] = float(-self.kl_controller.value * core.masked_sum(kl, mask) / len(exp))
+        exp.token_rewards = token_rewards
+        exp.advantages, exp.returns = core.compute_advantages(self.advantage_name, token_rewards, mask,
+                                                              exp.group_index, values=exp.values,
+                                                              **self.advantage_options)
+        if exp.values is not None:
+            metrics["critic/explained_var"] = float(core.explained_variance(exp.values, exp.returns, mask))
+            metrics["critic/returns_mean"] = float(core.masked_mean(exp.returns, mask))
+        return exp, metrics
+
+    # --- 4. update ---------------------------------------------------------------------------
+    def loss_mask(self, exp: Experience) -> torch.Tensor:
+        """The tokens the loss terms see: every generated token, less the truncated responses
+        when `mask_truncated` is set (overlong filtering). Counts follow this mask."""
+        if not self.mask_truncated:
+            return exp.response_mask
+        return core.drop_truncated(exp.response_mask, exp.truncated)
+
+    def update(self, exp: Experience, has_signal: bool = True) -> dict[str, float]:
+        """ppo_epochs x num_minibatches optimiser steps on one rollout batch (see module doc)."""
+        self.batches_without_signal = 0 if has_signal else self.batches_without_signal + 1
+        if self.batches_without_signal >= MAX_BATCHES_WITHOUT_SIGNAL:
+            raise RewardError(f"{self.batches_without_signal} rollout batches in a row had no group with a reward "
+                              f"spread, so no step was taken: check the reward (reward=...) and the prompts' "
+                              f"difficulty (data.*, data_curriculum=...)")
+        train_policy = has_signal and self.train_batches_seen >= self.critic_warmup_batches
+        if not train_policy and self.critic is None:
+            return {"perf/skipped_update": 1.0}
+        size = len(exp)
+        minibatch = max(1, size // self.num_minibatches)
+        generator = torch.Generator().manual_seed(self.rank_seed(self.seed * 7919 + self.train_batches_seen))
+        totals: dict[str, float] = {}
+        updates = 0
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(size, generator=generator).to(self.device)
+            for start in range(0, size - minibatch + 1, minibatch):
+                stats = self.minibatch_step(exp.select(order[start:start + minibatch]), train_policy)
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                updates += 1
+        metrics = {k: v / updates for k, v in totals.items()}
+        metrics["perf/nonfinite_grad_steps"] = float(self.nonfinite_steps)
+        if not train_policy:
+            metrics["perf/skipped_update"] = 1.0
+        return metrics
+
+    def minibatch_step(self, exp: Experience, train_policy: bool) -> dict[str, float]:
+        """One optimiser step per trainable role over a minibatch."""
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        sums = self.accumulate_gradients(exp, train_policy)
+        if train_policy:
+            sums["policy/grad_norm"] = self.optimiser_step(optimizers[0], self.policy_parameters(), self.max_grad_norm,
+                                                           count_step=True)
+        if self.critic is not None and not self.shared_critic:
+            sums["critic/grad_norm"] = self.optimiser_step(optimizers[1], self.critic.trainable_parameters(),
+                                                           self.critic_cfg.max_grad_norm, count_step=False)
+        return sums
+
+    def accumulate_gradients(self, exp: Experience, train_policy: bool = True) -> dict[str, float]:
+        """Backward of the summed loss terms over the minibatch's micro-batches, with token and
+        sequence counts summed over micro-batches and ranks (so the gradient is the full
+        batch's, however it is split). Returns the terms' stats."""
+        mask = self.loss_mask(exp)
+        num_tokens, num_seqs = core.count_tokens_and_seqs(mask, count_empty_rows=self.aggregation["count_empty_rows"])
+        counts = dict(num_tokens=all_reduce_sum(num_tokens), num_seqs=all_reduce_sum(num_seqs),
+                      dp_size=rank_and_world()[1])
+        aggregation = {**self.aggregation, **counts}
+        train_critic = self.critic is not None
+        micro = self.micro_batch_size or len(exp)
+        sums: dict[str, float] = {}
+        for start in range(0, len(exp), micro):
+            part = exp.select(torch.arange(start, min(start + micro, len(exp)), device=self.device))
+            part_mask = mask[start:start + micro]
+            logp, entropy, values = self.training_forward(part, with_values=train_critic)
+            mb = MicroBatch(exp=part, mask=part_mask, logp=logp, entropy=entropy, values=values,
+                            old_logp=logp.detach() if part.old_logp is None else part.old_logp,
+                            aggregation=aggregation)
+            losses, stats = [], {}
+            for term in (self.terms if train_policy else []) + ([self.value_term] if train_critic else []):
+                loss, term_stats = term(mb)
+                losses.append(loss)
+                stats.update({f"{term.prefix}/{k}": float(v) for k, v in term_stats.items()})
+            if losses:
+                self.manual_backward(torch.stack(losses).sum())
+            # values aggregated with the global counts add up over micro-batches; the other
+            # stats are micro-batch means, weighted by their token share
+            share = float(part_mask.sum() / num_tokens.clamp(min=1))
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v * (1.0 if k in GLOBAL_STATS else share)
+        if train_policy and self.ptx_coef:
+            sums.update(self.ptx_step())
+        return sums
+
+    def training_forward(self, exp: Experience, with_values: bool):
+        """log pi_theta (with gradient), entropy (with gradient only when weighted) and, for
+        the critic, V(s_t) — one backbone pass when the critic shares the policy's."""
+        need_entropy_grad = bool(self.entropy_coef)
+        if with_values and self.shared_critic:
+            hidden = sequence_hidden_states(self.policy, exp.prompt_ids, exp.prompt_mask, exp.response_ids,
+                                            exp.response_mask)
+            logits = self.policy.get_output_embeddings()(hidden)
+            values = self.critic.values(hidden)
+        else:
+            logits = sequence_logits(self.policy, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
+            values = self.critic(exp.prompt_ids, exp.prompt_mask, exp.response_ids,
+                                 exp.response_mask) if with_values else None
+        logp, entropy = self.logprobs_from(logits, exp, with_entropy=True, entropy_grad=need_entropy_grad)
+        return logp, entropy, values
+
+    def token_logprobs(self, model, exp: Experience):
+        """(log-probs, None) of the response tokens under ``model`` (a scorer's forward)."""
+        logits = sequence_logits(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
+        return self.logprobs_from(logits, exp, with_entropy=False)
+
+    def logprobs_from(self, logits, exp: Experience, with_entropy: bool, entropy_grad: bool = True):
+        """Per-token log-probs (and entropy) at the sampling temperature, computed in fp32 chunk
+        by chunk; over the sampler's kept top-k/top-p support when keep_sampling_mask (V3.2)."""
+        support = exp.support_size if self.keep_sampling_mask else None
+        return core.token_logprobs_and_entropy(logits, exp.response_ids, with_entropy=with_entropy,
+                                               entropy_grad=entropy_grad, support_size=support,
+                                               temperature=self.sampling_params().logprob_temperature)
+
+    def policy_parameters(self):
+        head = list(self.critic.head.parameters()) if self.critic is not None and self.shared_critic else []
+        return [p for p in self.policy.parameters() if p.requires_grad] + head
+
+    def optimiser_step(self, optimizer, parameters, max_norm, count_step: bool) -> float:
+        """Average gradients over ranks, skip (and count) a step whose gradient norm is not
+        finite, clip through Lightning, step, advance the schedule. `count_step`: the policy's
+        steps are Lightning's global step; the critic's are not."""
+        parameters = list(parameters)
+        average_gradients(parameters)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if not torch.isfinite(torch.tensor(norm)):
+            optimizer.zero_grad()
+            self.nonfinite_steps += 1
+            return norm
+        if max_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+        schedules = self.lr_schedulers()
+        schedules = schedules if isinstance(schedules, list) else [schedules]
+        if count_step:
+            optimizer.step()
+            schedules[0].step()
+        else:
+            optimizer.optimizer.step()  # the raw optimiser: not one of Lightning's global steps
+            schedules[1].step()
+        return norm
+
+    def ptx_step(self) -> dict[str, float]:
+        """PPO-ptx (InstructGPT): + ptx_coef * (-mean log pi) on a batch of the task's
+        supervised data, accumulated into the policy's gradient before its step."""
+        batch = collate_sft(self.ptx_cursor.take(self.ptx_batch_size), self.tokenizer)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        labels = batch["labels"][:, 1:]
+        logp, _ = core.token_logprobs_and_entropy(logits, labels, with_entropy=False)
+        mask = (labels >= 0).float()
+        num_tokens = all_reduce_sum(mask.sum())
+        loss = core.ptx_loss(logp, mask, num_tokens=num_tokens, dp_size=rank_and_world()[1])
+        self.manual_backward(self.ptx_coef * loss)
+        return {"ptx/loss": float(loss)}
+
+    # --- pass rates (curricula) ----------------------------------------------------------------
+    @torch.no_grad()
+    def estimate_pass_rates(self, examples, samples_per_prompt: int = 8) -> list[float]:
+        """Fraction of correct samples per prompt under the current policy (curricula)."""
+        rates = []
+        generator = torch.Generator(device=self.device).manual_seed(self.seed + 7)
+        chunk = max(1, 256 // samples_per_prompt)
+        saved = self.group_size
+        self.group_size = samples_per_prompt
+        try:
+            for start in range(0, len(examples), chunk):
+                exp, _ = self.sample_and_score(examples[start:start + chunk], start, generator)
+                rates += exp.correct.view(-1, samples_per_prompt).mean(dim=1).tolist()
+        finally:
+            self.group_size = saved
+        return rates
+
+    @staticmethod
+    def rollout_metrics(exp: Experience) -> dict[str, float]:
+        lengths = exp.response_mask.sum(dim=1)
+        informative = core.informative_groups(exp.scores, exp.group_index)
+        flat_groups = exp.group_index[~informative].unique().numel() / exp.group_index.unique().numel()
+        metrics = {
+            "rollout/reward_mean": float(exp.scores.mean()),
+            "rollout/reward_std": float(exp.scores.std()) if len(exp.scores) > 1 else 0.0,
+            "rollout/response_len_mean": float(lengths.mean()),
+            "rollout/truncated_frac": float(exp.truncated.float().mean()),
+            "rollout/frac_zero_std_groups": flat_groups,
+        }
+        if not torch.isnan(exp.correct).any():
+            metrics["rollout/accuracy"] = float(exp.correct.mean())
+        return metrics
+
+
+def check_core_options(module: OnlineRLModule) -> None:
+    """Run the configured advantage, policy loss and KL estimator once on a dummy batch of two
+    one-token samples, so that an option a formula does not take (dual_clip with gspo, a clamp
+    on an estimator without one) or a bad value is a ConfigError at start-up, not a crash at
+    the first step."""
+    ones = torch.ones(2, 1)
+    values = ones if module.advantage_name == "gae" else None
+    try:
+        core.compute_advantages(module.advantage_name, ones, ones, torch.tensor([0, 0]), values=values,
+                                **module.advantage_options)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"advantage={module.advantage_name}: {err}") from None
+    try:
+        core.compute_policy_loss(module.policy_loss, ones, ones, ones, ones, **module.loss_options,
+                                 **module.aggregation)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"algorithm.policy_loss={module.policy_loss}: {err}") from None
+    if module.reference is not None:
+        try:
+            core.kl_penalty(module.kl_name, ones, ones, ones, **module.kl_options)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"kl_estimator={module.kl_name}: {err}") from None

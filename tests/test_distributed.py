@@ -1,0 +1,101 @@
+"""Data parallelism on CPU with gloo, 2 processes: the ranks draw disjoint prompts, and the
+averaged gradient of a 2-process update equals a 1-process update on the union of their
+batches. Then the real CLI under torchrun with `trainer=ddp`."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+from posttrain.algorithms.experience import Experience
+from posttrain.data.sources import build_source
+from posttrain.distributed import average_gradients
+from posttrain.models.loading import load_tokenizer_and_model
+from posttrain.train import build_module
+
+from test_grpo import rl_config
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(cfg_dict):
+    cfg = OmegaConf.create(cfg_dict)
+    source = build_source(cfg.data)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    module = build_module(cfg, policy, tokenizer, source)
+    module.setup("fit")  # the curriculum's cursor learns this process's rank here
+    module.manual_backward = lambda loss: loss.backward()
+    return module, tokenizer
+
+
+def prompts_of(exp, tokenizer) -> list[str]:
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(exp.prompt_ids, exp.prompt_mask)]
+    return sorted(set(tokenizer.batch_decode(rows)))
+
+
+def rank_update(rank, port, cfg_dict, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        module, tokenizer = build(cfg_dict)
+        exp, _, _ = module.collect(step=0)
+        exp, _ = module.compute_advantages(module.annotate(exp))
+        module.policy.zero_grad()
+        module.accumulate_gradients(exp)
+        average_gradients(list(module.policy.parameters()))
+        torch.save({"exp": exp, "prompts": prompts_of(exp, tokenizer),
+                    "grads": [p.grad for p in module.policy.parameters()]}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_draw_disjoint_prompts_and_average_to_the_union_gradient(make_config, sft_start, tmp_path):
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo")  # k3 KL as a loss, seq-mean-token-mean
+    OmegaConf.resolve(cfg)
+    cfg_dict = OmegaConf.to_container(cfg)
+    mp.spawn(rank_update, args=(free_port(), cfg_dict, str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    single, tokenizer = build(cfg_dict)
+    n = cfg.algorithm.prompts_per_step
+    assert not set(ranks[0]["prompts"]) & set(ranks[1]["prompts"])  # disjoint
+    union_prompts = sorted({e.prompt for e in single.curriculum.next_prompts(WORLD * n)})
+    assert sorted(ranks[0]["prompts"] + ranks[1]["prompts"]) == union_prompts  # together: the 1-process stream
+
+    parts = [r["exp"] for r in ranks]
+    parts[1].group_index = parts[1].group_index + 10_000  # keep the ranks' groups apart
+    union = Experience.concat(parts, tokenizer.pad_token_id)
+    single.policy.zero_grad()
+    single.accumulate_gradients(union)
+    for name_param, g0, g1 in zip(single.policy.named_parameters(), ranks[0]["grads"], ranks[1]["grads"]):
+        name, param = name_param
+        torch.testing.assert_close(g0, g1, rtol=0, atol=0)  # averaged: the same on every rank
+        torch.testing.assert_close(g0, param.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_the_cli_trains_with_two_processes_under_torchrun(sft_start, tmp_path):
+    overrides = ["trainer=ddp", "algorithm=grpo", f"model.init_from={sft_start}", "data.min_digits=2",
+                 "data.max_digits=2", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
+                 "trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.checkpoint.every_n_train_steps=2",
+                 "eval.num_prompts=32", "eval.batch_size=32", "logger=csv", "callbacks.progress_bar=none",
+                 f"hydra.run.dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "posttrain.train", *overrides], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["global_step"] == 2 and "eval/accuracy" in summary
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()

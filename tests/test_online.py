@@ -1,0 +1,118 @@
+"""The online-RL pipeline's own behaviour, beyond the presets: stages and scorers, the loss
+mask, skipped and guarded optimiser steps, the like-with-like off-policy mask, the critic."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms.experience import Experience
+from posttrain.algorithms.terms import MicroBatch, PolicyTerm
+from posttrain.errors import ConfigError, RewardError
+
+from test_grpo import online_module
+
+
+def test_scorers_compute_only_what_a_later_stage_reads(make_config, sft_start):
+    cases = {("algorithm=dapo",): [],                                  # on-policy, no KL, no critic
+             ("algorithm=grpo",): ["ref_logp"],                         # k3 as a loss
+             ("algorithm=gspo",): ["old_logp"],                         # two minibatches: off-policy
+             ("algorithm=grpo", "kl_estimator=k1"): ["old_logp", "ref_logp"],   # KL in the reward
+             ("algorithm=ppo",): ["old_logp", "ref_logp", "values"]}
+    for overrides, fields in cases.items():
+        module = online_module(make_config, sft_start, *overrides)
+        assert [f for f, _ in module.scorers] == fields, overrides
+        assert (module.reference is not None) == ("ref_logp" in fields)
+        assert (module.critic is not None) == ("values" in fields)
+
+
+def test_a_batch_without_signal_takes_no_step_and_too_many_stop_the_run(make_config, sft_start):
+    module = online_module(make_config, sft_start, "algorithm=dapo")
+    exp, _, _ = module.collect(step=0)
+    module.optimizers = lambda: pytest.fail("no optimiser may be touched without a learning signal")
+    assert module.update(exp, has_signal=False) == {"perf/skipped_update": 1.0}
+    module.batches_without_signal = 49
+    with pytest.raises(RewardError, match="no group with a reward spread"):
+        module.update(exp, has_signal=False)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_is_counted(make_config, sft_start):
+    module = online_module(make_config, sft_start, "algorithm=grpo")
+    params = list(module.policy.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[0].grad[0, 0] = float("nan")
+
+    class Recorder:
+        stepped = zeroed = False
+
+        def step(self):
+            self.stepped = True
+
+        def zero_grad(self):
+            self.zeroed = True
+
+    optimizer = Recorder()
+    norm = module.optimiser_step(optimizer, params, max_norm=1.0, count_step=True)
+    assert math.isnan(norm) and not optimizer.stepped and optimizer.zeroed
+    assert module.nonfinite_steps == 1
+
+
+def test_offpolicy_mask_compares_sampler_and_trainer_over_the_same_support():
+    """V3.2's off-policy mask with keep_sampling_mask: the trainer's log-probs are renormalised
+    over the kept support, so the sampler's must be too (support_logprobs), not full-vocabulary."""
+    B, T = 2, 3
+    mask = torch.ones(B, T)
+    trainer_logp = torch.full((B, T), -0.1)
+    exp = Experience(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1),
+                     response_ids=torch.zeros(B, T, dtype=torch.long), response_mask=mask,
+                     rollout_logprobs=torch.full((B, T), -3.0),    # full vocabulary: far lower
+                     support_logprobs=torch.full((B, T), -0.1),    # over the support: the same
+                     truncated=torch.zeros(B, dtype=torch.bool), scores=torch.zeros(B), correct=torch.zeros(B),
+                     group_index=torch.tensor([0, 0]), advantages=-torch.ones(B, T))
+    term = PolicyTerm("ppo_clip", {}, offpolicy_mask_delta=0.5)
+    mb = MicroBatch(exp=exp, mask=mask, logp=trainer_logp.requires_grad_(), old_logp=trainer_logp.detach(),
+                    entropy=None, values=None, aggregation={"agg_mode": "token-mean"})
+    _, stats = term(mb)
+    assert float(stats["offpolicy_masked_frac"]) == 0.0  # like with like: nothing is off-policy
+    exp.support_logprobs = None                           # without a support: the full-vocabulary ones
+    exp.rollout_logprobs = torch.full((B, T), -0.1)
+    _, stats = term(mb)
+    assert float(stats["offpolicy_masked_frac"]) == 0.0
+
+
+def test_gae_and_a_critic_go_together(make_config, sft_start):
+    with pytest.raises(ConfigError, match="critic"):
+        online_module(make_config, sft_start, "algorithm=grpo", "advantage=gae")
+    with pytest.raises(ConfigError, match="critic"):
+        online_module(make_config, sft_start, "algorithm=ppo", "advantage=group_norm")
+
+
+def test_ppo_critic_has_its_own_optimiser_and_trains_in_warm_up(make_config, sft_start):
+    module = online_module(make_config, sft_start, "algorithm=ppo", "algorithm.critic.warmup_batches=1")
+    assert module.critic.lm is not module.policy  # its own backbone by default
+    critic_params = {id(p) for p in module.critic.trainable_parameters()}
+    assert not critic_params & {id(p) for p in module.policy.parameters()}
+    exp, _, _ = module.collect(step=0)
+    exp, metrics = module.compute_advantages(module.annotate(exp.without_trailing_padding()))
+    assert "critic/explained_var" in metrics and exp.returns is not None
+    module.policy.zero_grad()
+    stats = module.accumulate_gradients(exp, train_policy=False)  # warm-up: the value loss only
+    assert "critic/value_loss" in stats and "policy/loss" not in stats
+    assert all(p.grad is None or not p.grad.any() for p in module.policy.parameters())
+    assert any(p.grad is not None and p.grad.any() for p in module.critic.trainable_parameters())
+    shared = online_module(make_config, sft_start, "algorithm=ppo", "roles.critic.shared_backbone=true")
+    assert shared.critic.lm is shared.policy and shared.scorers[-1][0] == "values"
+
+
+def test_a_role_is_built_by_one_loader_and_its_errors_name_the_role(make_config, sft_start):
+    from posttrain.errors import CheckpointError
+
+    module = online_module(make_config, sft_start, "algorithm=grpo")
+    assert not any(p.requires_grad for p in module.reference.parameters())  # frozen
+    for mine, ref in zip(module.policy.parameters(), module.reference.parameters()):
+        assert torch.equal(mine, ref)  # init_from=policy: the policy's starting weights
+    with pytest.raises(CheckpointError, match="roles.reference.init_from"):
+        online_module(make_config, sft_start, "algorithm=grpo", "roles.reference.init_from=/no/such/dir")
+    module = online_module(make_config, sft_start, "algorithm=grpo", f"roles.reference.init_from={sft_start}")
+    assert module.reference is not None
