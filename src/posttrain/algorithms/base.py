@@ -63,10 +63,14 @@ class PosttrainModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    def on_before_optimizer_step(self, optimizer) -> None:
-        # One place clips for every algorithm, automatic or manual optimisation alike.
-        limit = self.max_grad_norm if self.max_grad_norm else float("inf")
-        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), limit))
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Automatic optimisation (SFT): record the gradient norm, then clip at `max_grad_norm`
+        through Lightning (precision- and strategy-aware). Online RL steps by hand and clips in
+        `OnlineRLModule.optimiser_step`, where a non-finite norm also skips the step."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self.last_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if self.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
 
     # --- resumable data position ------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
