@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from posttrain.data import curriculum
-from posttrain.data.curriculum import Curriculum, DynamicSampling, PassRateFilter, build_curriculum
+from posttrain.data.curriculum import Curriculum, build_curriculum
 from posttrain.data.datamodule import ExampleCursor
 from posttrain.data.sources import Example, build_source
 from posttrain.errors import ConfigError

@@ -8,12 +8,7 @@ from posttrain.core import (
     gae_advantages,
     masked_whiten,
 )
-from posttrain.core.advantages import (
-    dr_grpo_advantages,
-    grpo_advantages,
-    reinforce_pp_baseline_advantages,
-    rloo_advantages,
-)
+from posttrain.core.advantages import dr_grpo_advantages, grpo_advantages
 from posttrain.core.groups import group_ids, group_max, group_mean, group_min, group_std, group_sum
 
 D = torch.float64

@@ -47,7 +47,6 @@ from posttrain.rollout import SamplingParams
 
 # Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
 KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")
-STAGES = ("collect", "annotate", "advantages", "update")
 # Rollout batches in a row without a learning signal (every group flat on every rank) after
 # which the run stops: the data or the reward gives the policy nothing to learn from.
 MAX_BATCHES_WITHOUT_SIGNAL = 50
