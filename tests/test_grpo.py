@@ -75,6 +75,9 @@ def test_component_groups_are_swappable_under_a_preset(make_config, sft_start):
 def test_dynamic_sampling_fills_the_batch_with_informative_groups(make_config, sft_start):
     summary = run(rl_config(make_config, sft_start, "algorithm=dapo", "data_curriculum.max_extra_rounds=6"))
     assert "curriculum/extra_rounds" in summary and "curriculum/dropped_groups" in summary
+    # the batch fill and the first round's (unfiltered, unbiased) reward and accuracy are logged
+    assert 0.0 <= summary["curriculum/batch_fill"] <= 1.0
+    assert "rollout/prefilter_accuracy" in summary and "rollout/prefilter_reward_mean" in summary
     if summary["curriculum/extra_rounds"] < 6:  # the cap was not hit: no flat group was trained on
         assert summary["rollout/frac_zero_std_groups"] == 0.0
 
