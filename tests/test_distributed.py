@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -99,3 +100,16 @@ def test_the_cli_trains_with_two_processes_under_torchrun(sft_start, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["global_step"] == 2 and "eval/accuracy" in summary
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_multi_process_run_refuses_to_train_an_uncached_warm_start(make_config, monkeypatch, tmp_path):
+    """Every process would train its own copy and race for the cache: a clear error instead."""
+    from posttrain.errors import ConfigError
+    from posttrain.train import warm_start
+
+    cfg = make_config("experiment=grpo_tiny", f"paths.cache_dir={tmp_path}/cache")
+    OmegaConf.resolve(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="not cached yet"):
+        warm_start(cfg)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("hf_model"))

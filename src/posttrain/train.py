@@ -259,6 +259,11 @@ def warm_start(cfg: DictConfig) -> str | None:
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = Path(cfg.paths.cache_dir) / "warm_start" / key
     if not (target / "hf_model").is_dir():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # every process would train its own copy and race for the cache: build it once first
+            raise ConfigError(f"the SFT warm start of this config is not cached yet ({target}); build it once in a "
+                              f"single process (the same command without torchrun and with trainer=cpu, "
+                              f"trainer.max_steps=1), or start from weights with model.init_from=<dir>")
         goal = " for" if target_accuracy is None else f" until held-out accuracy >= {target_accuracy:.0%}, for at most"
         print(f"Warm start: SFT{goal} {settings.steps} steps, cached at {target}")
         scratch = target.with_name(f".{key}.{os.getpid()}.tmp")
