@@ -173,8 +173,7 @@ class OnlineRLModule(PosttrainModule):
             self.ptx_cursor = ExampleCursor(self.source, "train", self.seed + 1, rank=rank, world_size=world)
 
     def configure_optimizers(self):
-        head = list(self.critic.head.parameters()) if self.critic is not None and self.shared_critic else []
-        policy = self.make_optimizer([p for p in self.policy.parameters() if p.requires_grad] + head, self.optim)
+        policy = self.make_optimizer(self.policy_parameters(), self.optim)
         if self.critic is None or self.shared_critic:
             return policy
         return [policy, self.make_optimizer(self.critic.trainable_parameters(), self.critic_cfg.optim)]
