@@ -71,3 +71,16 @@ def test_value_and_ptx_pass_dp_size_and_count_empty_rows():
     assert ptx_loss(logp, mask, num_tokens=6, dp_size=2).item() == pytest.approx(7.0 / 6 * 2)
     with pytest.raises(ValueError, match="dp_size"):
         ptx_loss(logp, mask, dp_size=0)
+
+
+def test_explained_variance_hand_values():
+    from posttrain.core import explained_variance
+
+    returns = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the padded 99 must not count
+    # Var(R) = 2/3 (population); residual R - V = [0, 0, 1] has Var = 2/9 -> 1 - (2/9)/(2/3) = 2/3
+    values = torch.tensor([[1.0, 2.0, 2.0, 0.0]])
+    torch.testing.assert_close(explained_variance(values, returns, mask), torch.tensor(2.0 / 3.0))
+    torch.testing.assert_close(explained_variance(returns, returns, mask), torch.tensor(1.0))  # perfect
+    flat = torch.tensor([[5.0, 5.0, 5.0, 0.0]])
+    assert float(explained_variance(values, flat, mask)) == 0.0  # targets that do not vary
