@@ -46,11 +46,10 @@ def test_missing_model_directory_fails_cleanly_without_files(tmp_path):
 def test_malformed_data_file_names_file_and_line(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
-    result = posttrain(*QUICK, "data=jsonl", f"data.files.train={data}", log_dir=tmp_path / "out")
-    assert_clean_failure(result, f"{data}:2", "'response'")
+    files = ["data=jsonl", f"data.files.train={data}", f"data.files.validation={data}"]
+    assert_clean_failure(posttrain(*QUICK, *files, log_dir=tmp_path / "out"), f"{data}:2", "'response'")
     data.write_text('{"prompt": "1+1=", "response": "2"}\nnot json\n')
-    assert_clean_failure(posttrain(*QUICK, "data=jsonl", f"data.files.train={data}", log_dir=tmp_path / "out"),
-                         f"{data}:2", "not valid JSON")
+    assert_clean_failure(posttrain(*QUICK, *files, log_dir=tmp_path / "out"), f"{data}:2", "not valid JSON")
 
 
 def test_missing_checkpoint_fails_cleanly(tmp_path):

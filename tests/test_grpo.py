@@ -134,13 +134,14 @@ def test_nan_reward_can_be_scored_as_failure_and_counted(make_config, sft_start)
         run(rl_config(make_config, sft_start, "algorithm=grpo", "+reward.components.shaky.target=test_grpo.nan_reward"))
 
 
-def test_warm_start_is_trained_once_and_shared(make_config, tmp_path, capsys):
+def test_warm_start_is_trained_once_and_shared(make_config, tmp_path, caplog):
+    caplog.set_level("INFO", logger="posttrain")
     overrides = (*FAST_RUN, *EASY_TASK, "algorithm=grpo", "algorithm.warm_start.steps=5", "algorithm.prompts_per_step=2",
                  "algorithm.group_size=2", "trainer.max_steps=1", "eval.at_start=false", f"paths.cache_dir={tmp_path}/cache")
     first = run(make_config(*overrides, output_dir=tmp_path / "a"))
     second = run(make_config(*overrides, "seed=1", output_dir=tmp_path / "b"))  # a seed sweep shares the start
     assert first["warm_start"] == second["warm_start"]
-    assert capsys.readouterr().out.count("Warm start: SFT") == 1
+    assert caplog.text.count("Warm start: SFT") == 1
     assert len(list((tmp_path / "cache" / "warm_start").iterdir())) == 1
     own = run(make_config(*overrides, "seed=1", "algorithm.warm_start.seed=null", output_dir=tmp_path / "c"))
     assert own["warm_start"] != first["warm_start"]  # null: the warm start follows the run's seed

@@ -1,28 +1,874 @@
-"""Start-up checks of the composed config: incompatible group choices are refused with a
-message that names the keys, before anything is built or written."""
+"""Start-up validation of the composed config, before anything is built or written.
+
+One pass, three layers, every problem found reported together in one `ConfigError`:
+
+1. **values**: each key has a `Spec` in `SPECS` (type, range or allowed choices); a value
+   that does not fit is named with the key, its repr and what is allowed, e.g.
+   `trainer.max_steps='abc' is not valid: expected a positive integer (optimiser steps).`
+   Keys without a spec pass (`+trainer.max_time=...` is Lightning's to check), but every
+   key of conf/ has one: tests/test_config_validation.py composes every option and fails
+   on a key without a spec.
+2. **rules across keys** (`RULES`): combinations that crash late or train on nothing,
+   e.g. a group-based advantage with groups of one sample.
+3. **dry runs** of the checks the builders do themselves (algorithm arguments, reward
+   components, curriculum options, the core formulas' options), which would otherwise
+   fail only after the SFT warm start has trained. They run only when 1 and 2 pass, so
+   they never see a value of the wrong type.
+"""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+import importlib
+import inspect
+import math
+import re
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from posttrain.core.advantages import ADVANTAGE_ESTIMATORS, SCALE_MODES, SINGLETON_MODES
+from posttrain.core.aggregation import AGGREGATION_MODES
+from posttrain.core.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from posttrain.core.policy_loss import POLICY_LOSSES, RATIO_LEVELS
+from posttrain.data.arithmetic import SPLITS, STYLES
+from posttrain.data.curriculum import CURRICULA
+from posttrain.data.sources import TRUNCATE_OPTIONS
 from posttrain.errors import ConfigError
+from posttrain.models.loading import DTYPES
+from posttrain.rewards.composite import ON_ERROR_MODES
+from posttrain.rollout import ROLLOUT_ENGINES
 
 ONLINE_ONLY_GROUPS = ("advantage", "kl_estimator", "data_curriculum")
+# Advantages that compare the samples of one prompt's group with each other.
+GROUP_ADVANTAGES = ("group_norm", "group_mean", "rloo", "reinforce_pp_baseline")
+# Numbers the checks below and Lightning's `seed_everything` accept as a seed (numpy's uint32).
+MAX_SEED = 2**32 - 1
 
 
-def check_config(cfg: DictConfig, choices: dict[str, str]) -> None:
-    """Raise ConfigError for combinations that make no sense."""
-    algorithm = choices.get("algorithm", cfg.algorithm.name)
-    if cfg.algorithm.kind == "offline":
-        for group in ONLINE_ONLY_GROUPS:
-            option = cfg[group].name
-            if option != "none":
-                raise ConfigError(
-                    f"algorithm={algorithm} trains offline on fixed data, so {group}={option} has no effect; "
-                    f"drop the override or set {group}=none"
-                )
-    elif cfg.advantage.name == "none":
-        raise ConfigError(f"algorithm={algorithm} is an online RL algorithm and needs an advantage estimator "
-                          f"(advantage=none was chosen)")
-    if cfg.trainer.max_steps is None or cfg.trainer.max_steps <= 0:
-        raise ConfigError(f"trainer.max_steps must be a positive number of steps, got {cfg.trainer.max_steps}")
+# --- what one key accepts -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Spec:
+    """What one config key accepts: `accepts(value)` decides, `expected` says it in words
+    for the error message. `descend`: a mapping value is a node whose own keys have specs
+    (checked one by one) rather than one value."""
+
+    accepts: Callable[[Any], bool]
+    expected: str
+    descend: bool = False
+
+    def about(self, meaning: str) -> Spec:
+        """The same spec, its description followed by what the key means."""
+        return replace(self, expected=f"{self.expected} ({meaning})")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is not 1
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def integer(low: int | None = None, high: int | None = None) -> Spec:
+    if low is not None and high is not None:
+        expected = f"an integer in [{low}, {high}]"
+    elif low == 1:
+        expected = "a positive integer"
+    elif low is not None:
+        expected = f"an integer >= {low}"
+    else:
+        expected = "an integer"
+    return Spec(lambda v: is_int(v) and (low is None or v >= low) and (high is None or v <= high), expected)
+
+
+def number(low: float | None = None, high: float | None = None, *, low_open: bool = False) -> Spec:
+    """A finite number (an integer is one too) in [low, high], or (low, high] with `low_open`."""
+
+    def accepts(value) -> bool:
+        if not is_number(value):
+            return False
+        above = low is None or (value > low if low_open else value >= low)
+        return above and (high is None or value <= high)
+
+    if low is not None and high is not None:
+        expected = f"a number in {'(' if low_open else '['}{low}, {high}]"
+    elif low is not None:
+        expected = f"a number {'>' if low_open else '>='} {low}"
+    else:
+        expected = "a finite number"
+    return Spec(accepts, expected)
+
+
+def boolean() -> Spec:
+    return Spec(lambda v: isinstance(v, bool), "true or false")
+
+
+def text() -> Spec:
+    return Spec(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
+
+
+def choice(*options) -> Spec:
+    # compared by type too: Hydra reads `1` as an int, and `true` as a bool equal to 1
+    def accepts(value) -> bool:
+        return any(type(value) is type(option) and value == option for option in options)
+
+    return Spec(accepts, f"one of {', '.join(repr(o) for o in options)}")
+
+
+def pattern(regex: str, expected: str) -> Spec:
+    return Spec(lambda v: isinstance(v, str) and re.fullmatch(regex, v) is not None, expected)
+
+
+def list_of(item: Spec, length: int | None = None) -> Spec:
+    def accepts(value) -> bool:
+        return isinstance(value, list) and (length is None or len(value) == length) and all(map(item.accepts, value))
+
+    count = "a list" if length is None else f"a list of {length} values"
+    return Spec(accepts, f"{count}, each {item.expected}")
+
+
+def mapping(example: str, non_empty: bool = False) -> Spec:
+    def accepts(value) -> bool:
+        return isinstance(value, dict) and (bool(value) or not non_empty)
+
+    return Spec(accepts, f"a {'non-empty ' if non_empty else ''}mapping, e.g. {example}", descend=True)
+
+
+def anything() -> Spec:
+    return Spec(lambda v: True, "any value")
+
+
+def optional(spec: Spec) -> Spec:
+    return Spec(lambda v: v is None or spec.accepts(v), f"null or {spec.expected}", spec.descend)
+
+
+def either(*specs: Spec, expected: str) -> Spec:
+    return Spec(lambda v: any(s.accepts(v) for s in specs), expected, any(s.descend for s in specs))
+
+
+def lightning_strategy(value) -> bool:
+    if isinstance(value, dict) or value == "auto":
+        return True
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return value in StrategyRegistry.available_strategies()
+
+
+SEED = integer(0, MAX_SEED)
+POSITIVE = number(0, low_open=True)
+BELOW_ONE = Spec(lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)")
+CLAMP = optional(POSITIVE).about("null: no clamp")
+PROBABILITY = number(0, 1)
+DURATION = pattern(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}", "a duration 'DD:HH:MM:SS'")
+# Lightning's precision names (lightning.fabric.plugins.precision.precision._PRECISION_INPUT).
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine",
+              "transformer-engine-float16", "32", "16", "64", "bf16", 32, 16, 64)
+# Lightning's accelerator names (AcceleratorRegistry, plus its aliases "auto" and "gpu").
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+ARCHITECTURES = ("qwen2", "llama")
+
+
+def optimiser(prefix: str) -> dict[str, Spec]:
+    """The keys of an `optim` node (AdamW with warm-up and cosine decay, base.make_optimizer)."""
+    return {
+        f"{prefix}.lr": POSITIVE.about("learning rate"),
+        f"{prefix}.weight_decay": number(0),
+        f"{prefix}.betas": list_of(BELOW_ONE, length=2).about("AdamW's beta1, beta2"),
+        f"{prefix}.warmup_steps": integer(0).about("optimiser steps of linear warm-up"),
+        f"{prefix}.min_lr_ratio": PROBABILITY.about("the cosine decays to lr * min_lr_ratio"),
+    }
+
+
+# Every key of conf/, by dotted path. `*` stands for any one key (reward components, roles).
+# An exact key wins over a pattern; patterns are tried in this order.
+SPECS: dict[str, Spec] = {
+    # --- top level (conf/train.yaml) ---
+    "seed": SEED,
+    "num_threads": optional(integer(1)).about("torch threads on CPU; null: torch's default"),
+    "ckpt_path": optional(text()).about("a Lightning checkpoint, or 'last'"),
+    "task_name": either(text(), integer(), expected="a non-empty name").about("names the run directory"),
+    "print_config": boolean(),
+    "eval.split": choice(*SPLITS),
+    "eval.num_prompts": integer(1).about("held-out prompts"),
+    "eval.batch_size": integer(1),
+    "eval.max_new_tokens": integer(1).about("generation budget in tokens"),
+    "eval.at_start": boolean(),
+    "roles.*.name_or_path": optional(text()).about("a hub id or HF directory; null: a copy of the policy"),
+    "roles.*.init_from": optional(text()).about("'policy', a checkpoint or an HF directory"),
+    "roles.*.dtype": optional(choice(*DTYPES)).about("null: the policy's"),
+    "roles.*.trainable": boolean(),
+    "roles.critic.shared_backbone": boolean(),
+
+    # --- trainer: Lightning Trainer arguments; keys not listed here are Lightning's to check ---
+    "trainer._target_": text(),
+    "trainer.accelerator": either(choice(*ACCELERATORS), mapping("{_target_: ...}"),
+                                  expected=f"one of {', '.join(map(repr, ACCELERATORS))}"),
+    "trainer.devices": either(integer(1), choice(-1, "auto"), list_of(integer(0)),
+                              pattern(r"\s*\d+\s*(,\s*\d+\s*)*,?", ""),
+                              expected="a positive integer, -1 (all), 'auto', or a list of device indices"),
+    "trainer.num_nodes": integer(1),
+    "trainer.precision": choice(*PRECISIONS),
+    "trainer.max_steps": integer(1).about("optimiser steps"),
+    "trainer.max_time": optional(either(DURATION, mapping("{hours: 1}"), expected="a duration 'DD:HH:MM:SS'")),
+    "trainer.val_check_interval": either(integer(1), DURATION, expected="a positive integer or a duration "
+                                         "'DD:HH:MM:SS'").about("training batches between held-out evaluations; "
+                                                                "RL: rollout batches"),
+    "trainer.check_val_every_n_epoch": optional(integer(1)).about("the training stream is endless: null"),
+    "trainer.log_every_n_steps": integer(1),
+    "trainer.gradient_clip_val": Spec(lambda v: v is None, "null (posttrain clips gradients itself at "
+                                                           "algorithm.max_grad_norm: set that instead)"),
+    "trainer.accumulate_grad_batches": integer(1),
+    "trainer.num_sanity_val_steps": integer(-1).about("-1: all"),
+    "trainer.enable_model_summary": boolean(),
+    "trainer.default_root_dir": optional(text()),
+    "trainer.strategy": Spec(lightning_strategy, "'auto', a Lightning strategy name such as 'ddp', or a strategy "
+                                                 "node with _target_ (trainer=ddp)", descend=True),
+    "trainer.strategy._target_": text(),
+    "trainer.strategy.data_parallel_size": either(integer(1), choice("auto"), expected="a positive integer or "
+                                                  "'auto'").about("processes; trainer.devices x trainer.num_nodes"),
+    "trainer.strategy.tensor_parallel_size": choice(1).about("posttrain shards no tensors: data parallelism only"),
+    "trainer.strategy.save_distributed_checkpoint": boolean(),
+
+    # --- algorithm ---
+    "algorithm._target_": text().about("the LightningModule class"),
+    "algorithm.name": text(),
+    "algorithm.kind": choice("online", "offline"),
+    "algorithm.batch_size": integer(1).about("examples per optimiser step"),
+    "algorithm.max_grad_norm": optional(number(0)).about("null or 0: no clipping"),
+    **optimiser("algorithm.optim"),
+    "algorithm.prompts_per_step": integer(1).about("prompts per rollout batch, per process"),
+    "algorithm.group_size": integer(1).about("samples per prompt"),
+    "algorithm.ppo_epochs": integer(1),
+    "algorithm.num_minibatches": integer(1),
+    "algorithm.micro_batch_size": optional(integer(1)).about("null: the whole minibatch at once"),
+    "algorithm.policy_loss": choice(*POLICY_LOSSES),
+    "algorithm.clip_low": optional(BELOW_ONE).about("the ratio's lower bound is 1 - clip_low"),
+    "algorithm.clip_high": optional(number(0)),
+    "algorithm.dual_clip": optional(number(1, low_open=True)).about("the dual-clip constant c > 1"),
+    "algorithm.delta": optional(number(1, low_open=True)).about("cap on the unclipped ratio, > 1 + clip_high"),
+    "algorithm.log_ratio_clamp": CLAMP,
+    "algorithm.seq_log_ratio_clamp": CLAMP,
+    "algorithm.ratio_level": choice(*RATIO_LEVELS),
+    "algorithm.tau_pos": POSITIVE,
+    "algorithm.tau_neg": POSITIVE,
+    "algorithm.loss_agg_mode": choice(*AGGREGATION_MODES),
+    "algorithm.norm_constant": optional(POSITIVE).about("null: the generation budget"),
+    "algorithm.count_empty_rows": boolean(),
+    "algorithm.mask_truncated": boolean(),
+    "algorithm.entropy_coef": number(),
+    "algorithm.critic": optional(mapping("{warmup_batches: 0, vf_coef: 1.0, ...}")).about("PPO's value model"),
+    "algorithm.critic.warmup_batches": integer(0).about("rollout batches that train only the critic"),
+    "algorithm.critic.value_clip": optional(POSITIVE).about("null: plain squared error"),
+    "algorithm.critic.vf_coef": number(0),
+    "algorithm.critic.max_grad_norm": optional(number(0)).about("null or 0: no clipping"),
+    **optimiser("algorithm.critic.optim"),
+    "algorithm.ptx_coef": number(0),
+    "algorithm.ptx_batch_size": integer(1),
+    "algorithm.offpolicy_mask_delta": optional(number(0)),
+    "algorithm.keep_sampling_mask": boolean(),
+    "algorithm.warm_start.steps": integer(0).about("SFT steps, or their cap with until_accuracy; 0: no warm start"),
+    "algorithm.warm_start.seed": optional(SEED).about("null: the run's seed"),
+    "algorithm.warm_start.until_accuracy": optional(number(0, 1, low_open=True)).about("held-out greedy accuracy "
+                                                                                        "at which the SFT stops"),
+    "algorithm.warm_start.eval_every": integer(1).about("SFT steps between held-out evaluations"),
+    "algorithm.warm_start.lr": POSITIVE.about("learning rate"),
+    "algorithm.warm_start.batch_size": integer(1),
+
+    # --- rollout ---
+    "rollout.engine": choice(*ROLLOUT_ENGINES),
+    "rollout.temperature": POSITIVE,
+    "rollout.top_p": number(0, 1, low_open=True).about("1: off"),
+    "rollout.top_k": integer(0).about("0: off"),
+    "rollout.max_new_tokens": integer(1).about("generation budget in tokens"),
+
+    # --- data ---
+    "data.source": choice("arithmetic", "jsonl"),
+    "data.min_digits": integer(1),
+    "data.max_digits": integer(1),
+    "data.num_operands": integer(2),
+    "data.style": choice(*STYLES),
+    "data.seed": SEED,
+    "data.max_response_tokens": integer(1).about("generation budget in tokens"),
+    "data.max_prompt_tokens": optional(integer(1)).about("null: the model's context decides"),
+    "data.truncate_prompts": optional(choice(*TRUNCATE_OPTIONS)).about("null: an over-long prompt is an error"),
+    "data.files.train": text().about("a JSON-lines file"),
+    "data.files.validation": optional(text()).about("a JSON-lines file"),
+    "data.files.test": optional(text()).about("a JSON-lines file"),
+
+    # --- model ---
+    "model.name_or_path": optional(text()).about("a hub id or HF directory; null: the embedded tiny model"),
+    "model.init_from": optional(text()).about("a Lightning checkpoint or an HF directory"),
+    "model.architecture": choice(*ARCHITECTURES),
+    "model.hidden_size": integer(1),
+    "model.num_layers": integer(1),
+    "model.num_heads": integer(1),
+    "model.num_kv_heads": integer(1),
+    "model.intermediate_size": integer(1),
+    "model.max_position_embeddings": integer(1),
+    "model.tie_word_embeddings": boolean(),
+    "model.dtype": choice(*DTYPES),
+
+    # --- kl_estimator ---
+    "kl_estimator.name": choice("none", *KL_ESTIMATORS),
+    "kl_estimator.coef": number(0),
+    "kl_estimator.placement": choice("in_reward", "as_loss", "none"),
+    "kl_estimator.controller": choice(*KL_CONTROLLERS),
+    "kl_estimator.target": optional(POSITIVE).about("the adaptive controller's target KL"),
+    "kl_estimator.horizon": optional(POSITIVE).about("the adaptive controller's horizon"),
+    "kl_estimator.value_clamp": CLAMP,
+    "kl_estimator.log_ratio_clamp": CLAMP,
+    "kl_estimator.unbiased_gradient": boolean(),
+    "kl_estimator.straight_through": boolean(),
+    "kl_estimator.is_weight_cap": optional(POSITIVE),
+
+    # --- advantage ---
+    "advantage.name": choice("none", *ADVANTAGE_ESTIMATORS),
+    "advantage.eps": number(0),
+    "advantage.scale": choice(*SCALE_MODES),
+    "advantage.singleton": choice(*SINGLETON_MODES).about("what a group of one sample gets"),
+    "advantage.keep_degenerate": boolean(),
+    "advantage.gamma": PROBABILITY.about("discount"),
+    "advantage.lam": PROBABILITY.about("GAE lambda"),
+    "advantage.whiten": boolean(),
+    "advantage.whiten_eps": POSITIVE,
+
+    # --- reward ---
+    "reward.name": text(),
+    "reward.on_error": choice(*ON_ERROR_MODES),
+    "reward.failure_score": number(),
+    "reward.components": mapping("{accuracy: {weight: 1.0}}", non_empty=True),
+    "reward.components.overlong.cache_len": integer(0).about("tokens"),
+    "reward.components.overlong.max_len": optional(integer(1)).about("tokens; null: rollout.max_new_tokens"),
+    "reward.components.format.match_score": number(),
+    "reward.components.format.miss_score": number(),
+    "reward.components.*": mapping("{weight: 1.0} (drop a component with ~reward.components.<name>)"),
+    "reward.components.*.weight": number(),
+    "reward.components.*.target": pattern(r"[\w.]+\.\w+", "a dotted path 'package.module.function'"),
+    # a component's own options: checked against its function's signature by the dry run below
+    "reward.components.*.*": anything(),
+
+    # --- data_curriculum ---
+    "data_curriculum.name": choice(*CURRICULA),
+    "data_curriculum.max_extra_rounds": integer(0).about("extra generation rounds per step"),
+    "data_curriculum.filter_on": choice("reward", "accuracy"),
+    "data_curriculum.low": PROBABILITY.about("lowest pass rate kept"),
+    "data_curriculum.high": PROBABILITY.about("highest pass rate kept"),
+    "data_curriculum.pool_size": integer(1).about("prompts scored for their pass rate"),
+    "data_curriculum.milestones": list_of(integer(1)).about("rollout batches at which the difficulty rises"),
+    "data_curriculum.accuracy_threshold": optional(PROBABILITY),
+    "data_curriculum.max_level": integer(0),
+
+    # --- callbacks ---
+    "callbacks.checkpoint.every_n_train_steps": integer(1),
+    "callbacks.checkpoint.save_top_k": integer(-1).about("-1: keep every checkpoint"),
+    "callbacks.progress_bar": choice("rich", "none"),
+    "callbacks.stop_at_step": optional(integer(1)),
+    "callbacks.stop_at_accuracy": optional(number(0, 1, low_open=True)),
+
+    # --- logger ---
+    "logger.backend": choice("wandb", "csv", "none"),
+    "logger.project": text(),
+    "logger.entity": optional(text()),
+    "logger.mode": choice("auto", "online", "offline", "disabled"),
+    "logger.tags": list_of(text()),
+
+    # --- paths ---
+    "paths.root_dir": text(),
+    "paths.log_dir": text(),
+    "paths.cache_dir": text(),
+    "paths.output_dir": text(),
+
+    # --- numerics: each peer's conventions, read by the components through interpolation ---
+    "numerics.name": text(),
+    "numerics.advantage.std_eps": number(0),
+    "numerics.advantage.singleton": choice(*SINGLETON_MODES),
+    "numerics.advantage.keep_degenerate": boolean(),
+    "numerics.kl.value_clamp": CLAMP,
+    "numerics.kl.k3_log_ratio_clamp": CLAMP,
+    "numerics.kl.k3_value_clamp": CLAMP,
+    "numerics.kl.unbiased_gradient": boolean(),
+    "numerics.kl.is_weight_cap": optional(POSITIVE),
+    "numerics.policy.log_ratio_clamp": CLAMP,
+    "numerics.policy.gspo_log_ratio_clamp": CLAMP,
+    "numerics.policy.gspo_seq_log_ratio_clamp": CLAMP,
+    "numerics.policy.dual_clip": optional(number(1, low_open=True)),
+    "numerics.policy.count_empty_rows": boolean(),
+    "numerics.preference.ipo_length_normalize": boolean(),
+}
+
+PATTERNS = [key for key in SPECS if "*" in key]
+
+
+def spec_for(key: str) -> Spec | None:
+    """The spec of a dotted key: its own, else the first pattern that matches it."""
+    if key in SPECS:
+        return SPECS[key]
+    parts = key.split(".")
+    for candidate in PATTERNS:
+        wanted = candidate.split(".")
+        if len(wanted) == len(parts) and all(w in ("*", p) for w, p in zip(wanted, parts)):
+            return SPECS[candidate]
+    return None
+
+
+# --- reading the config -------------------------------------------------------------------
+
+MISSING = object()  # a `???` value: the user must supply it
+
+
+@dataclass
+class Entry:
+    key: str
+    value: Any          # plain Python (containers converted), or MISSING
+    is_leaf: bool       # a value checked against its spec; False: a node whose keys are checked
+
+
+def entries(node: DictConfig, prefix: str = "") -> Iterator[Entry]:
+    """Every key of the config, depth first: nodes (with their plain value, for the rules)
+    and leaves. A node is descended into unless its spec says it is one value."""
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if path == "hydra":
+            continue
+        if OmegaConf.is_missing(node, key):
+            yield Entry(path, MISSING, is_leaf=True)
+            continue
+        value = node[key]
+        if isinstance(value, (DictConfig, ListConfig)):
+            plain = OmegaConf.to_container(value, resolve=True)
+            spec = spec_for(path)
+            if isinstance(value, DictConfig) and len(value) and (spec is None or spec.descend):
+                yield Entry(path, plain, is_leaf=False)
+                yield from entries(value, f"{path}.")
+                continue
+            value = plain
+        yield Entry(path, value, is_leaf=True)
+
+
+def keys_without_spec(cfg: DictConfig) -> list[str]:
+    """The leaf keys of `cfg` that have no spec (tests: every key of conf/ must have one)."""
+    return [e.key for e in entries(cfg) if e.is_leaf and spec_for(e.key) is None]
+
+
+def value_problems(cfg: DictConfig) -> tuple[list[str], set[str]]:
+    """A message per value that its spec refuses, and the keys that were refused."""
+    problems, bad = [], set()
+    for entry in entries(cfg):
+        spec = spec_for(entry.key)
+        if not entry.is_leaf or spec is None:
+            continue
+        if entry.value is MISSING:
+            problems.append(f"{entry.key} has no value (???): expected {spec.expected}")
+            bad.add(entry.key)
+        elif not spec.accepts(entry.value):
+            problems.append(f"{entry.key}={entry.value!r} is not valid: expected {spec.expected}")
+            bad.add(entry.key)
+    return problems, bad
+
+
+# --- rules across keys --------------------------------------------------------------------
+
+class Unusable(Exception):
+    """A rule read a key that is absent, `???` or already reported: the rule does not apply."""
+
+
+class Values:
+    """The config's values by dotted key, as the rules read them."""
+
+    def __init__(self, cfg: DictConfig, bad: set[str], choices: dict[str, str]):
+        self.values = {e.key: e.value for e in entries(cfg)}
+        self.bad = bad
+        self.choices = choices
+
+    def __getitem__(self, key: str):
+        value = self.values.get(key, MISSING)
+        if value is MISSING or key in self.bad:
+            raise Unusable(key)
+        return value
+
+    def get(self, key: str, default=None):
+        """The value, or `default` when the key is absent (as the code that reads it does)."""
+        if key not in self.values:
+            return default
+        return self[key]
+
+    def online(self) -> bool:
+        return self.get("algorithm.kind") == "online"
+
+
+Rule = Callable[[Values], Iterator[str]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+@rule
+def offline_algorithm_takes_no_online_components(v: Values):
+    if v["algorithm.kind"] != "offline":
+        return
+    algorithm = v.choices.get("algorithm", v.get("algorithm.name"))
+    for group in ONLINE_ONLY_GROUPS:
+        option = v.get(f"{group}.name", "none")
+        if option != "none":
+            yield (f"algorithm={algorithm} trains offline on fixed data, so {group}={option} has no effect; "
+                   f"drop the override or set {group}=none")
+
+
+@rule
+def online_algorithm_needs_an_advantage(v: Values):
+    if v.online() and v["advantage.name"] == "none":
+        algorithm = v.choices.get("algorithm", v.get("algorithm.name"))
+        yield (f"algorithm={algorithm} is an online RL algorithm and needs an advantage estimator "
+               f"(advantage=none was chosen)")
+
+
+@rule
+def advantage_fits_the_algorithm(v: Values):
+    if not v.online():
+        return
+    advantage, critic = v["advantage.name"], v.get("algorithm.critic")
+    if advantage == "prm_step":
+        yield ("advantage=prm_step needs a process reward model, which this algorithm does not have; use "
+               "group_norm, group_mean, rloo, reinforce_pp, reinforce_pp_baseline, or gae with a critic "
+               "(algorithm=ppo)")
+    elif (advantage == "gae") != (critic is not None):
+        yield ("advantage=gae needs a critic and a critic needs advantage=gae: use algorithm=ppo, or another "
+               f"advantage (got advantage={advantage}, algorithm.critic={'set' if critic is not None else 'null'})")
+
+
+@rule
+def groups_of_one_carry_no_signal(v: Values):
+    """A group-based advantage compares a sample with the other samples of its prompt: with
+    one sample per prompt every advantage is 0 and the run trains on nothing."""
+    if not v.online() or v["algorithm.group_size"] != 1:
+        return
+    advantage = v["advantage.name"]
+    if advantage in GROUP_ADVANTAGES and v.get("advantage.singleton", "zero") == "zero":
+        yield (f"algorithm.group_size=1 with advantage={advantage} gives every sample an advantage of 0 (a group "
+               f"of one sample has nothing to be compared with), so nothing would be trained: set "
+               f"algorithm.group_size >= 2, or advantage.singleton=raw or unit_std to score groups of one, or use "
+               f"advantage=reinforce_pp")
+    if v.get("data_curriculum.name") == "dynamic_sampling":
+        yield ("data_curriculum=dynamic_sampling keeps only groups whose rewards differ, which a group of "
+               "algorithm.group_size=1 never does, so every batch would be dropped: set algorithm.group_size >= 2")
+
+
+@rule
+def minibatches_split_the_batch_evenly(v: Values):
+    if not v.online():
+        return
+    prompts, group, parts = v["algorithm.prompts_per_step"], v["algorithm.group_size"], v["algorithm.num_minibatches"]
+    samples = prompts * group
+    if samples % parts:
+        yield (f"algorithm.num_minibatches={parts} does not divide a rollout batch of algorithm.prompts_per_step x "
+               f"algorithm.group_size = {prompts} x {group} = {samples} samples into equal minibatches (the "
+               f"remainder would be left out of every update); choose a divisor of {samples}")
+
+
+@rule
+def delta_lies_above_the_clip_range(v: Values):
+    delta = v.get("algorithm.delta")
+    if delta is None:
+        return
+    bound = 1.0 + (v.get("algorithm.clip_high") or 0.0)
+    if not delta > bound:
+        yield (f"algorithm.delta={delta!r} is not valid: expected null or a number > 1 + algorithm.clip_high = "
+               f"{bound:g} (it caps the ratio above the clip range)")
+
+
+@rule
+def sampling_mask_needs_a_sampling_filter(v: Values):
+    if v.online() and v.get("algorithm.keep_sampling_mask") and v["rollout.top_k"] == 0 and v["rollout.top_p"] >= 1.0:
+        yield ("algorithm.keep_sampling_mask=true renormalises over the sampler's top-k / top-p support, but "
+               "neither filter is on: set rollout.top_k > 0 or rollout.top_p < 1, or keep_sampling_mask=false")
+
+
+@rule
+def kl_term_is_placed_and_controlled(v: Values):
+    if not v.online() or v["kl_estimator.name"] == "none" or not v.get("kl_estimator.coef", 0) > 0:
+        return
+    name, placement = v["kl_estimator.name"], v.get("kl_estimator.placement")
+    if placement not in ("in_reward", "as_loss"):
+        yield (f"kl_estimator.placement={placement!r} is not valid with kl_estimator={name}: expected 'in_reward' "
+               f"or 'as_loss'")
+    if v.get("kl_estimator.controller", "fixed") == "adaptive":
+        target, horizon = v.get("kl_estimator.target"), v.get("kl_estimator.horizon")
+        if target is None or horizon is None:
+            yield (f"kl_estimator.controller=adaptive needs kl_estimator.target (the KL to hold) and "
+                   f"kl_estimator.horizon (steps to adapt over), both > 0; got target={target!r}, horizon={horizon!r}")
+
+
+@rule
+def digit_range_is_ordered(v: Values):
+    if v.get("data.source") == "arithmetic" and v["data.min_digits"] > v["data.max_digits"]:
+        yield (f"data.min_digits={v['data.min_digits']} is larger than data.max_digits={v['data.max_digits']}; "
+               f"expected min_digits <= max_digits (the operands' digit range)")
+
+
+@rule
+def eval_split_has_data(v: Values):
+    if v.get("data.source") != "jsonl":
+        return
+    split = v["eval.split"]
+    if v.get(f"data.files.{split}") is None:
+        yield (f"eval.split={split} needs data.files.{split} (a JSON-lines file of held-out examples), which is "
+               f"null; set it, or evaluate on a split that has a file with eval.split=...")
+
+
+@rule
+def curriculum_has_what_it_reads(v: Values):
+    if not v.online():
+        return
+    name = v.get("data_curriculum.name", "none")
+    if name == "pass_rate_filter" and v["data_curriculum.low"] > v["data_curriculum.high"]:
+        yield (f"data_curriculum.low={v['data_curriculum.low']} is larger than "
+               f"data_curriculum.high={v['data_curriculum.high']}; expected low <= high (the band of pass rates kept)")
+    if name == "difficulty_schedule":
+        if v.get("data.source") != "arithmetic":
+            yield ("data_curriculum=difficulty_schedule raises the task's difficulty, which only data=arithmetic "
+                   f"has (data.source={v.get('data.source')!r})")
+        if not v.get("data_curriculum.milestones") and v.get("data_curriculum.accuracy_threshold") is None:
+            yield ("data_curriculum=difficulty_schedule needs data_curriculum.milestones or "
+                   "data_curriculum.accuracy_threshold, or it never changes anything")
+    # correctness comes from the reward component named accuracy (rewards/composite.py)
+    needs_accuracy = {
+        "pass_rate_filter": "estimates pass rates",
+        "dynamic_sampling": "filter_on=accuracy filters" if v.get("data_curriculum.filter_on") == "accuracy" else None,
+        "difficulty_schedule": ("accuracy_threshold reads the training accuracy"
+                                if v.get("data_curriculum.accuracy_threshold") is not None else None),
+    }.get(name)
+    components = v.get("reward.components")
+    if needs_accuracy and isinstance(components, dict) and "accuracy" not in components:
+        yield (f"data_curriculum={name} {needs_accuracy} from the reward's accuracy component, but "
+               f"reward.components has none ({sorted(components)}); add reward.components.accuracy")
+
+
+@rule
+def a_role_with_its_own_model_does_not_copy_the_policy(v: Values):
+    for role in ("reference", "critic"):
+        if v.get(f"roles.{role}.name_or_path") and v.get(f"roles.{role}.init_from") == "policy":
+            yield (f"roles.{role}.init_from=policy copies the policy's weights into another model "
+                   f"(roles.{role}.name_or_path={v[f'roles.{role}.name_or_path']!r}); set roles.{role}.init_from=null "
+                   f"to keep its own weights, or to a checkpoint or HF directory")
+
+
+@rule
+def a_pretrained_model_is_named(v: Values):
+    # model=hf inherits tiny's `name_or_path: null`, which its own `???` does not replace in
+    # Hydra's merge: without this the embedded tiny model would train instead, silently
+    if v.choices.get("model") == "hf" and v.get("model.name_or_path") is None:
+        yield ("model=hf needs model.name_or_path (a hub id or a local Hugging Face model directory), e.g. "
+               "model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct")
+
+
+@rule
+def tiny_model_heads_fit(v: Values):
+    if v.get("model.name_or_path") is not None or "model.hidden_size" not in v.values:
+        return
+    hidden, heads, kv_heads = v["model.hidden_size"], v["model.num_heads"], v["model.num_kv_heads"]
+    if hidden % heads:
+        yield (f"model.hidden_size={hidden} is not a multiple of model.num_heads={heads} (each attention head "
+               f"gets hidden_size / num_heads dimensions)")
+    elif (hidden // heads) % 2:
+        yield (f"model.hidden_size / model.num_heads = {hidden} / {heads} = {hidden // heads} is odd; expected an "
+               f"even head size (rotary position embeddings rotate pairs of dimensions)")
+    if heads % kv_heads:
+        yield (f"model.num_heads={heads} is not a multiple of model.num_kv_heads={kv_heads} (each key/value head "
+               f"serves num_heads / num_kv_heads query heads)")
+
+
+def device_count(devices) -> int | None:
+    """How many devices `trainer.devices` asks for on each node; None when Lightning decides."""
+    if is_int(devices) and devices >= 1:
+        return devices
+    if isinstance(devices, list):
+        return len(devices)
+    if isinstance(devices, str) and devices != "auto":
+        return len([part for part in devices.split(",") if part.strip()])
+    return None
+
+
+@rule
+def several_devices_need_the_data_parallel_strategy(v: Values):
+    """Online RL averages gradients itself (distributed.py), so more than one process needs
+    Lightning's ModelParallelStrategy (trainer=ddp), which does not wrap the module."""
+    per_node = device_count(v.get("trainer.devices", 1))
+    nodes = v.get("trainer.num_nodes", 1)
+    processes = per_node * nodes if per_node is not None else None
+    strategy = v.get("trainer.strategy", "auto")
+    model_parallel = isinstance(strategy, dict) and str(strategy.get("_target_", "")).endswith("ModelParallelStrategy")
+    if processes is not None and processes > 1 and not model_parallel:
+        yield (f"trainer.devices={v['trainer.devices']!r} asks for {processes} processes, but "
+               f"trainer.strategy={strategy!r} is not the data-parallel strategy posttrain averages gradients "
+               f"under; use trainer=ddp")
+    if model_parallel and processes is not None:
+        data_parallel = strategy.get("data_parallel_size", "auto")
+        if is_int(data_parallel) and data_parallel != processes:
+            yield (f"trainer.strategy.data_parallel_size={data_parallel} must equal the number of processes, "
+                   f"trainer.devices x trainer.num_nodes = {processes}")
+
+
+@rule
+def online_rl_steps_its_own_optimiser(v: Values):
+    accumulate = v.get("trainer.accumulate_grad_batches", 1)
+    if v.online() and accumulate != 1:
+        yield (f"trainer.accumulate_grad_batches={accumulate} is not valid with an online algorithm, which steps "
+               f"its optimiser itself: expected 1; accumulate with algorithm.micro_batch_size instead")
+
+
+@rule
+def accelerator_is_present(v: Values):
+    accelerator = v.get("trainer.accelerator", "auto")
+    if accelerator in ("cuda", "gpu"):
+        import torch
+
+        if not torch.cuda.is_available():
+            yield (f"trainer.accelerator={accelerator!r} but no CUDA device is visible on this machine; use "
+                   f"trainer=cpu, or trainer.accelerator=auto")
+    elif accelerator == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            yield "trainer.accelerator='mps' but MPS is not available on this machine; use trainer=cpu"
+
+
+def rule_problems(cfg: DictConfig, bad: set[str], choices: dict[str, str]) -> list[str]:
+    values = Values(cfg, bad, choices)
+    problems = []
+    for check in RULES:
+        try:
+            problems.extend(list(check(values)))
+        except Unusable:
+            continue  # a key it reads is absent or already reported
+    return problems
+
+
+# --- dry runs of the builders' own checks -------------------------------------------------
+
+# Arguments `train.build_module` passes to the algorithm's module itself, and algorithm keys
+# it does not pass (train.py reads them).
+SUPPLIED_ARGUMENTS = ("self", "policy", "tokenizer", "source", "rollout", "eval_max_new_tokens", "kl_estimator",
+                      "advantage", "reward", "data_curriculum", "roles", "cache_dir", "seed")
+NOT_MODULE_ARGUMENTS = ("_target_", "name", "kind", "warm_start")
+# The policy loss options, as OnlineRLModule.__init__ gathers them into `loss_options`.
+LOSS_OPTION_KEYS = ("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp", "seq_log_ratio_clamp",
+                    "ratio_level", "tau_pos", "tau_neg")
+
+
+def import_target(path: str):
+    module_path, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module_path), name)
+
+
+def unknown_arguments(key: str, constructor, given: list[str], supplied: tuple[str, ...] = ()) -> list[str]:
+    """Keys of a node that `constructor` does not take (it would fail with a TypeError)."""
+    params = inspect.signature(constructor).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    valid = [name for name in params if name not in supplied]
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return []
+    return [f"{key}: unknown key(s) {unknown}; valid keys: {', '.join(valid)}"]
+
+
+def algorithm_problems(cfg: DictConfig) -> list[str]:
+    target = cfg.algorithm.get("_target_")
+    try:
+        module_class = import_target(target)
+    except Exception as err:  # a missing module or name, or the module failing on import
+        return [f"algorithm._target_={target!r} cannot be imported: {type(err).__name__}: {err}"]
+    given = [k for k in cfg.algorithm if k not in NOT_MODULE_ARGUMENTS]
+    problems = unknown_arguments("algorithm", module_class, given, SUPPLIED_ARGUMENTS)
+    params = inspect.signature(module_class).parameters
+    missing = [name for name, p in params.items()
+               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and name not in SUPPLIED_ARGUMENTS and name not in given]
+    if missing:
+        problems.append(f"algorithm: missing key(s) {missing} that {target} needs")
+    return problems
+
+
+def core_option_problems(cfg: DictConfig) -> list[str]:
+    """The advantage, policy loss and KL options on a dummy batch (online.check_core_options),
+    from the config rather than from a built module."""
+    from posttrain.algorithms.online import KL_PLACEMENT_KEYS, OnlineRLModule, check_core_options
+
+    defaults = {name: p.default for name, p in inspect.signature(OnlineRLModule).parameters.items()}
+    algorithm = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items()}
+    setting = lambda key: algorithm.get(key, defaults[key])  # noqa: E731 - a module argument or its default
+    kl = OmegaConf.to_container(cfg.kl_estimator, resolve=True)
+    uses_kl = kl["name"] != "none" and kl.get("coef", 0) > 0
+    stand_in = SimpleNamespace(
+        advantage_name=cfg.advantage.name,
+        advantage_options={k: v for k, v in OmegaConf.to_container(cfg.advantage, resolve=True).items() if k != "name"},
+        policy_loss=setting("policy_loss"),
+        loss_options={key: setting(key) for key in LOSS_OPTION_KEYS},
+        aggregation=dict(agg_mode=setting("loss_agg_mode"), count_empty_rows=setting("count_empty_rows"),
+                         norm_constant=setting("norm_constant") or cfg.rollout.max_new_tokens),
+        reference=object() if uses_kl else None,
+        kl_name=kl["name"],
+        kl_options={k: v for k, v in kl.items() if k not in KL_PLACEMENT_KEYS},
+    )
+    try:
+        check_core_options(stand_in)
+    except ConfigError as err:
+        return [str(err)]
+    return []
+
+
+def reward_problems(cfg: DictConfig) -> list[str]:
+    """Build the reward (imports user functions, checks each component's options); scoring
+    needs no task source, so none is given."""
+    from posttrain.rewards import build_reward
+
+    try:
+        build_reward(cfg.reward, None, cfg.rollout.max_new_tokens)
+    except ConfigError as err:
+        return [str(err)]
+    return []
+
+
+def curriculum_problems(cfg: DictConfig) -> list[str]:
+    name = cfg.data_curriculum.name
+    given = [k for k in cfg.data_curriculum if k != "name"]
+    return unknown_arguments(f"data_curriculum={name}", CURRICULA[name], given, ("self", "cursor", "cache_dir"))
+
+
+def dry_run_problems(cfg: DictConfig) -> list[str]:
+    problems = algorithm_problems(cfg)
+    if problems or cfg.algorithm.kind != "online":
+        return problems
+    from posttrain.algorithms.online import OnlineRLModule
+
+    if not issubclass(import_target(cfg.algorithm._target_), OnlineRLModule):
+        return problems  # another online module: its own checks apply
+    return core_option_problems(cfg) + reward_problems(cfg) + curriculum_problems(cfg)
+
+
+# --- the one entry point ------------------------------------------------------------------
+
+def as_sentence(message: str) -> str:
+    message = message.strip()
+    return message if message.endswith(".") else f"{message}."
+
+
+def check_config(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:
+    """Raise one ConfigError listing every bad value and combination of `cfg` (a composed,
+    resolved config). `choices`: Hydra's group choices, used to name the algorithm in messages."""
+    choices = choices or {}
+    problems, bad = value_problems(cfg)
+    problems += rule_problems(cfg, bad, choices)
+    if not problems:
+        problems = dry_run_problems(cfg)
+    if len(problems) == 1:
+        raise ConfigError(as_sentence(problems[0]))
+    if problems:
+        numbered = " ".join(f"({i}) {as_sentence(p)}" for i, p in enumerate(problems, start=1))
+        raise ConfigError(f"the config has {len(problems)} problems: {numbered}")

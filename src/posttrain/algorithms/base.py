@@ -26,6 +26,17 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
+def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingParams,
+                       generator: torch.Generator | None = None) -> tuple[list[float], list[float]]:
+    """One response per prompt row of `batch` (from `collate_prompts`), judged by the task's
+    verifier: (1.0 / 0.0 per row, response length in tokens per row). Held-out evaluation and
+    `posttrain-eval`'s pass@k both score through here, so their numbers mean the same thing."""
+    rollout = module.generate(batch["prompt_ids"], batch["prompt_mask"], params, generator=generator)
+    texts = decode_responses(module.tokenizer, rollout.response_ids, rollout.response_mask)
+    correct = [float(module.source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
+    return correct, rollout.response_lengths().float().tolist()
+
+
 class PosttrainModule(L.LightningModule):
     """Base of all algorithms. Subclasses write `training_step` and call `self.evaluate`."""
 
@@ -89,10 +100,9 @@ class PosttrainModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         params = SamplingParams(max_new_tokens=self.eval_max_new_tokens, greedy=True, temperature=0.0)
-        rollout = self.generate(batch["prompt_ids"], batch["prompt_mask"], params)
-        texts = decode_responses(self.tokenizer, rollout.response_ids, rollout.response_mask)
-        self._eval_correct += [float(self.source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
-        self._eval_lengths += rollout.response_lengths().float().tolist()
+        correct, lengths = generate_and_score(self, batch, params)
+        self._eval_correct += correct
+        self._eval_lengths += lengths
 
     def on_validation_epoch_end(self):
         # each rank scored its own shard of the held-out prompts: reduce sums and counts

@@ -60,6 +60,7 @@ from .kl import (
 from .length import dapo_overlong_penalty, kimi_length_reward
 from .logprobs import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from .masked import drop_truncated, masked_mean, masked_sum, masked_var, masked_whiten, zero_padding
+from .metrics import pass_at_k
 from .policy_loss import (
     POLICY_LOSSES,
     cispo_loss,
@@ -96,7 +97,7 @@ __all__ = [
     "grpo_advantages", "gspo_loss", "gspo_sequence_log_ratio", "hinge_loss", "ipo_loss",
     "kdrl_k2_loss", "kdrl_reward_mask", "kimi_length_reward", "kl_abs", "kl_k1", "kl_k2", "kl_k3",
     "kl_k3_unbiased", "kl_penalty", "kl_straight_through", "kl_unbiased_gradient", "logprobs_from_logits",
-    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "offpolicy_sequence_mask",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "offpolicy_sequence_mask", "pass_at_k",
     "ppo_clip_loss", "preference_loss", "prm_step_advantages", "ptx_loss",
     "reinforce_loss", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
     "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sapo_loss", "sequence_scores",

@@ -7,13 +7,23 @@ reshuffled each pass with a seeded permutation), so a resumed run starts the str
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from posttrain.data.sources import Example
+from posttrain.data.sources import Example, PromptLimits
+from posttrain.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+# Generated (endless) sources are checked on this many training prompts: their prompts are
+# short and alike, so a sample shows whether they fit.
+ENDLESS_SAMPLE = 256
+# A tokenizer that was never told its model's context reports a huge sentinel (1e30).
+UNKNOWN_CONTEXT = 10**9
 
 
 class ExampleCursor:
@@ -72,11 +82,18 @@ class StepTickets(IterableDataset):
             step += 1
 
 
+def prompt_token_ids(example: Example, tokenizer) -> list[int]:
+    """The prompt as the model sees it: its truncated ids if it was cut to fit, else its tokens."""
+    if example.prompt_ids is not None:
+        return list(example.prompt_ids)
+    return tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+
+
 def collate_sft(examples: list[Example], tokenizer) -> dict:
     """Right-padded prompt+response+EOS with labels only on response tokens."""
     rows, labels = [], []
     for example in examples:
-        prompt = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+        prompt = prompt_token_ids(example, tokenizer)
         response = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + response)
         labels.append([-100] * len(prompt) + response)
@@ -93,7 +110,7 @@ def collate_sft(examples: list[Example], tokenizer) -> dict:
 
 def collate_prompts(examples: list[Example], tokenizer) -> dict:
     """Left-padded prompts (generation appends on the right) and the examples themselves."""
-    rows = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+    rows = [prompt_token_ids(e, tokenizer) for e in examples]
     width = max(len(r) for r in rows)
     prompt_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -101,6 +118,104 @@ def collate_prompts(examples: list[Example], tokenizer) -> dict:
         prompt_ids[i, width - len(row):] = torch.tensor(row)
         prompt_mask[i, width - len(row):] = 1
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "examples": examples}
+
+
+def model_context(tokenizer) -> int | None:
+    """The model's context in tokens, as the loader recorded it in ``tokenizer.model_max_length``
+    (None when the tokenizer was never told)."""
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < UNKNOWN_CONTEXT else None
+
+
+def prompt_token_limit(limits: PromptLimits, context: int | None) -> tuple[int | None, str]:
+    """The most tokens a prompt may have, and the reason, for messages."""
+    limit, reason = None, ""
+    if context is not None:
+        budget = limits.max_response_tokens
+        if budget >= context:
+            raise ConfigError(
+                f"data.max_response_tokens={budget} leaves no room for a prompt in the model's context of {context} "
+                f"tokens (its max_position_embeddings); lower data.max_response_tokens or use a model with a "
+                f"longer context")
+        limit = context - budget
+        reason = (f"the {limit} tokens that fit in the model's context of {context} tokens beside the response "
+                  f"budget data.max_response_tokens={budget}")
+    if limits.max_prompt_tokens is not None and (limit is None or limits.max_prompt_tokens < limit):
+        limit, reason = limits.max_prompt_tokens, f"data.max_prompt_tokens={limits.max_prompt_tokens}"
+    return limit, reason
+
+
+def fit_prompts(source, tokenizer, splits: dict[str, int], sft_rows: bool = False) -> None:
+    """Check that the prompts of ``splits`` fit the model before training starts.
+
+    ``splits`` maps each split the run reads to how many of an endless source's examples to
+    check (a file's are all checked). A prompt longer than its limit (the model's context
+    minus ``data.max_response_tokens``, or ``data.max_prompt_tokens``) is a DataError naming
+    its file and line, unless ``data.truncate_prompts=left``: then its last tokens are kept
+    (``Example.prompt_ids``) and the count is logged once. With ``sft_rows`` the training
+    rows (prompt + reference response + EOS) must fit the context too.
+    """
+    limits = getattr(source, "prompt_limits", None) or PromptLimits()
+    context = model_context(tokenizer)
+    limit, reason = prompt_token_limit(limits, context)
+    if limit is None:
+        return
+    truncated = []  # (split, count, total, first place)
+    for split, count in splits.items():
+        size = source.size(split)
+        endless = size is None
+        examples = [source.example(split, i) for i in range(count if endless else size)]
+        if not examples:
+            continue
+        ids = tokenizer([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
+        over = [i for i, row in enumerate(ids) if len(row) > limit]
+        if over and (limits.truncate is None or endless):
+            raise DataError(_overlong_message(source, split, examples, ids, over, limit, reason, endless))
+        for i in over:  # truncate == "left": the question and its format cue usually end a prompt
+            examples[i].prompt_ids = ids[i][len(ids[i]) - limit:]
+        if over:
+            truncated.append((split, len(over), len(examples), _where(source, split, over[0], examples)))
+        if sft_rows and split == "train" and context is not None:
+            _check_sft_rows(source, tokenizer, examples, context)
+    if truncated:
+        counts = "; ".join(f"{n} of {total} {split} prompts (the first at {where})"
+                           for split, n, total, where in truncated)
+        log.warning(f"data.truncate_prompts={limits.truncate}: kept the last {limit} tokens of prompts longer than "
+                    f"{reason}: {counts}")
+
+
+def _where(source, split: str, index: int, examples: list[Example]) -> str:
+    origin = source.origin(split, index) if hasattr(source, "origin") else None
+    return origin or f"{split} example {index} ({examples[index].prompt[:60]!r})"
+
+
+def _overlong_message(source, split, examples, ids, over, limit, reason, endless) -> str:
+    first = over[0]
+    others = f" ({len(over)} of the {len(examples)} {split} prompts are too long)" if len(over) > 1 else ""
+    message = (f"{_where(source, split, first, examples)}: the prompt is {len(ids[first])} tokens, "
+               f"more than {reason}{others}. ")
+    if reason.startswith("data.max_prompt_tokens"):
+        room = "raise data.max_prompt_tokens"
+    else:
+        room = "lower data.max_response_tokens or use a model with a longer context"
+    if endless:
+        return message + (f"Generated prompts are not truncated: make the task smaller (data.max_digits, "
+                          f"data.num_operands) or {room}.")
+    return message + (f"Shorten or drop such prompts, {room}, or set data.truncate_prompts=left to keep each over-long "
+                      f"prompt's last {limit} tokens (the count is logged).")
+
+
+def _check_sft_rows(source, tokenizer, examples: list[Example], context: int) -> None:
+    """SFT trains on prompt + reference response + EOS: a row past the context would train
+    positions the model does not have."""
+    responses = tokenizer([e.response for e in examples], add_special_tokens=False)["input_ids"]
+    for i, (example, response) in enumerate(zip(examples, responses)):
+        prompt = len(prompt_token_ids(example, tokenizer))
+        if prompt + len(response) + 1 > context:
+            raise DataError(
+                f"{_where(source, 'train', i, examples)}: prompt ({prompt} tokens) + response ({len(response)} "
+                f"tokens) + EOS is {prompt + len(response) + 1} tokens, more than the model's context of {context} "
+                f"tokens; shorten that example or use a model with a longer context")
 
 
 class PosttrainDataModule(L.LightningDataModule):
@@ -114,6 +229,9 @@ class PosttrainDataModule(L.LightningDataModule):
         self.eval_split, self.eval_batch_size = eval_split, eval_batch_size
         size = source.size(eval_split)
         count = eval_num_prompts if size is None else min(size, eval_num_prompts)
+        # before any example is handed out: prompts too long for the model fail (or are cut) here
+        fit_prompts(source, tokenizer, {"train": ENDLESS_SAMPLE, eval_split: count},
+                    sft_rows=train_collate is collate_sft)
         self.eval_examples = [source.example(eval_split, i) for i in range(count)]
 
     def train_dataloader(self) -> DataLoader:

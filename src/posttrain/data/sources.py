@@ -19,6 +19,21 @@ class Example:
     prompt: str
     response: str          # the reference solution (SFT target)
     answer: str | None     # the final answer a verifier compares against
+    # The prompt's token ids when they are not simply the tokenised `prompt`: set only for a
+    # prompt cut to fit the model (data.truncate_prompts). Verifiers keep reading `prompt`.
+    prompt_ids: list[int] | None = None
+
+
+TRUNCATE_OPTIONS = ("left",)  # left: keep a prompt's last tokens (the question usually ends it)
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """How long prompts may be, from the `data` config (checked once the tokenizer exists)."""
+
+    max_response_tokens: int = 0         # the generation budget that must fit after the prompt
+    max_prompt_tokens: int | None = None  # an explicit cap below the model's context
+    truncate: str | None = None           # None: an over-long prompt is an error; "left": keep its end
 
 
 class ArithmeticSource:
@@ -33,9 +48,13 @@ class ArithmeticSource:
             raise ConfigError(f"data: {err}") from None
         self.style = style
         self.alphabet = arithmetic.ALPHABET
+        self.prompt_limits = PromptLimits()
 
     def size(self, split: str) -> int | None:
         return None
+
+    def origin(self, split: str, index: int) -> str | None:
+        return None  # generated: no file to point at
 
     def set_difficulty(self, **knobs) -> None:
         """Change difficulty knobs (min_digits, max_digits, num_operands) from now on."""
@@ -67,17 +86,26 @@ class JsonlSource:
 
     def __init__(self, files: dict[str, str | None]):
         self.examples: dict[str, list[Example]] = {}
+        self.origins: dict[str, list[str]] = {}  # "file:line (key)" of each example, for later errors
         for split in arithmetic.SPLITS:
             path = files.get(split)
             if path is not None:
-                self.examples[split] = read_jsonl_examples(Path(path), f"data.files.{split}")
+                key = f"data.files.{split}"
+                lines = []
+                self.examples[split] = read_jsonl_examples(Path(path), key, line_numbers=lines)
+                self.origins[split] = [f"{path}:{line} ({key})" for line in lines]
         if "train" not in self.examples:
             raise ConfigError("data.files.train must name a JSON-lines file")
         text = "".join(e.prompt + e.response + (e.answer or "") for ex in self.examples.values() for e in ex)
         self.alphabet = "".join(sorted(set(text)))
+        self.prompt_limits = PromptLimits()
 
     def size(self, split: str) -> int | None:
         return len(self._split(split))
+
+    def origin(self, split: str, index: int) -> str | None:
+        """Where example ``index`` of ``split`` was read: ``file:line (data.files.<split>)``."""
+        return self.origins[split][index]
 
     def _split(self, split: str) -> list[Example]:
         if split not in self.examples:
@@ -96,15 +124,38 @@ class JsonlSource:
         return len(response.strip()) > 0
 
 
-def read_jsonl_examples(path: Path, key: str) -> list[Example]:
+def decode_line(raw: bytes, where: str, line_offset: int) -> str:
+    """A line of a UTF-8 file as text; undecodable bytes are a DataError naming where they are.
+    ``line_offset`` is the line's byte offset in the file."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        column = len(raw[: err.start].decode("utf-8", errors="replace")) + 1
+        bad = raw[err.start:err.end].hex(" ")
+        raise DataError(
+            f"{where}: byte 0x{bad} at column {column} (byte {line_offset + err.start} of the file) is not valid "
+            f"UTF-8 ({err.reason}); data files must be UTF-8: re-encode the file (e.g. `iconv -f latin1 -t utf-8`) "
+            f"or fix that line"
+        ) from None
+
+
+def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = None) -> list[Example]:
+    """The examples of a JSON-lines file; ``line_numbers``, if given, receives each one's line."""
     if not path.is_file():
         raise DataError(f"{key}={str(path)!r}: no such file")
     examples = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    offset = 0
+    # Bytes, decoded line by line: a bad byte is then reported with its line, not as a bare
+    # UnicodeDecodeError from deep inside the file iterator.
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number} ({key})"
+            line = decode_line(raw, where, offset)
+            offset += len(raw)
+            if line_number == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not line.strip():
                 continue
-            where = f"{path}:{line_number} ({key})"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
@@ -118,17 +169,42 @@ def read_jsonl_examples(path: Path, key: str) -> list[Example]:
             if answer is not None and not isinstance(answer, (str, int)):
                 raise DataError(f"{where}: 'answer' must be a string or integer")
             examples.append(Example(record["prompt"], record["response"], None if answer is None else str(answer)))
+            if line_numbers is not None:
+                line_numbers.append(line_number)
     if not examples:
         raise DataError(f"{key}={str(path)!r} holds no examples")
     return examples
 
 
 def build_source(data_cfg) -> ArithmeticSource | JsonlSource:
-    """The task source named by ``data.source``."""
+    """The task source named by ``data.source``, with its prompt-length limits (checked
+    against the tokenizer and the model's context by the datamodule)."""
+    limits = prompt_limits(data_cfg)
     if data_cfg.source == "arithmetic":
-        return ArithmeticSource(
+        source = ArithmeticSource(
             data_cfg.min_digits, data_cfg.max_digits, data_cfg.num_operands, data_cfg.style, data_cfg.seed
         )
-    if data_cfg.source == "jsonl":
-        return JsonlSource(dict(data_cfg.files))
-    raise ConfigError(f"data.source={data_cfg.source!r} is not one of ['arithmetic', 'jsonl']")
+    elif data_cfg.source == "jsonl":
+        source = JsonlSource(dict(data_cfg.files))
+    else:
+        raise ConfigError(f"data.source={data_cfg.source!r} is not one of ['arithmetic', 'jsonl']")
+    source.prompt_limits = limits
+    return source
+
+
+def _positive_int_or_none(data_cfg, key: str) -> int | None:
+    value = data_cfg.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"data.{key}={value!r} must be a positive number of tokens (or null)")
+    return value
+
+
+def prompt_limits(data_cfg) -> PromptLimits:
+    """`data.max_response_tokens`, `data.max_prompt_tokens` and `data.truncate_prompts`, checked."""
+    truncate = data_cfg.get("truncate_prompts")
+    if truncate is not None and truncate not in TRUNCATE_OPTIONS:
+        raise ConfigError(f"data.truncate_prompts={truncate!r} is not one of {[None, *TRUNCATE_OPTIONS]} "
+                          f"(null: an over-long prompt is an error; left: keep its last tokens)")
+    return PromptLimits(max_response_tokens=_positive_int_or_none(data_cfg, "max_response_tokens") or 0,
+                        max_prompt_tokens=_positive_int_or_none(data_cfg, "max_prompt_tokens"),
+                        truncate=truncate)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -11,7 +13,18 @@ from torch import nn
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.tiny import build_char_tokenizer, build_tiny_model
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# A local model directory needs one of these to hold a tokenizer (tokenizer_config.json alone
+# only names the class: without a vocabulary AutoTokenizer builds an empty, useless one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+# Config fields that hold a model's context length, by model family.
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+_PAD_WARNED: set[str] = set()  # models whose missing pad token was already reported
 
 
 def _looks_like_path(name: str) -> bool:
@@ -36,7 +49,7 @@ def load_tokenizer_and_model(model_cfg, alphabet: str):
         raise ConfigError(f"model.dtype={model_cfg.dtype!r} is not one of {sorted(DTYPES)}")
     dtype = DTYPES[model_cfg.dtype]
     if model_cfg.name_or_path is None:
-        tokenizer = build_char_tokenizer(alphabet)
+        tokenizer = build_char_tokenizer(alphabet, model_max_length=model_cfg.max_position_embeddings)
         model = build_tiny_model(
             vocab_size=len(tokenizer),
             architecture=model_cfg.architecture,
@@ -95,6 +108,8 @@ def load_pretrained(name: str, key: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = _resolve_pretrained(name, key)
+    if Path(source).is_dir():
+        check_tokenizer_files(source, key, name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
@@ -104,10 +119,54 @@ def load_pretrained(name: str, key: str, dtype=torch.float32):
             f"{key}={name!r} could not be loaded as a Hugging Face causal LM "
             f"(not a local model directory, and the hub is unreachable or has no such model): {first_line}"
         ) from None
+    check_vocabulary_fits(tokenizer, model, f"{key}={name!r}")
+    context = model_context(model.config)
+    if context is not None:
+        # the datamodule checks prompt lengths against it, and the export records it
+        tokenizer.model_max_length = context
     if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise CheckpointError(f"{key}={name!r}: the tokenizer has neither a pad nor an EOS token, so batches "
+                                  f"cannot be padded and generation cannot stop; add them to its tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token  # generation needs a pad id; EOS is the usual choice
+        if name not in _PAD_WARNED:  # said once per model, not at every load (warm start, roles)
+            _PAD_WARNED.add(name)
+            log.warning(f"{key}={name!r}: the tokenizer has no pad token; padding with its EOS token "
+                        f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id})")
     tokenizer.padding_side = "left"
     return tokenizer, model
+
+
+def model_context(config) -> int | None:
+    """The context length (positions) a model's config declares, or None if it names none."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # multimodal configs keep it on the text model
+    for field in CONTEXT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_tokenizer_files(directory: str, key: str, name: str) -> None:
+    found = [f for f in TOKENIZER_FILES if (Path(directory) / f).is_file()]
+    if not found:
+        raise CheckpointError(
+            f"{key}={name!r}: the model directory {directory} holds no tokenizer (looked for "
+            f"{', '.join(TOKENIZER_FILES)}); save the model's tokenizer there (tokenizer.save_pretrained(dir)) "
+            f"or copy its tokenizer files in")
+
+
+def check_vocabulary_fits(tokenizer, model, where: str) -> None:
+    """Every token id the tokenizer can produce must have a row in the input embeddings."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        extra = tokenizer.convert_ids_to_tokens(list(range(rows, min(len(tokenizer), rows + 5))))
+        raise CheckpointError(
+            f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's input embeddings have {rows} rows, "
+            f"so token ids {rows}..{len(tokenizer) - 1} (e.g. {extra}) have no embedding; the tokenizer belongs to "
+            f"another model, or tokens were added to it without model.resize_token_embeddings: use the model's own "
+            f"tokenizer")
 
 
 def load_initial_weights(model, init_from: str, key: str = "model.init_from") -> None:
@@ -117,9 +176,15 @@ def load_initial_weights(model, init_from: str, key: str = "model.init_from") ->
     if not path.exists():
         raise CheckpointError(f"{key}={init_from!r}: no such file or directory")
     if path.is_dir():
+        check_same_family(model, path, key, init_from)
         from transformers import AutoModelForCausalLM
 
-        state = AutoModelForCausalLM.from_pretrained(str(path), dtype=next(model.parameters()).dtype).state_dict()
+        try:
+            state = AutoModelForCausalLM.from_pretrained(str(path), dtype=next(model.parameters()).dtype).state_dict()
+        except (OSError, ValueError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"{key}={init_from!r} is not a loadable Hugging Face model directory: "
+                                  f"{first_line}") from None
     else:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=False)
@@ -128,9 +193,41 @@ def load_initial_weights(model, init_from: str, key: str = "model.init_from") ->
         state = {k[len("policy."):]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith("policy.")}
         if not state:
             raise CheckpointError(f"{key}={init_from!r} holds no 'policy.*' weights")
+    check_shapes(model, state, key, init_from)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied heads are not stored twice
     if missing or unexpected:
         raise CheckpointError(
             f"{key}={init_from!r} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
+
+
+def check_same_family(model, directory: Path, key: str, init_from: str) -> None:
+    """An HF directory of another model family (llama weights into a qwen2 model) is refused by name."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{key}={init_from!r} is a directory without config.json: not a Hugging Face model "
+                              f"directory (give a directory written by save_pretrained, or a Lightning .ckpt)")
+    try:
+        theirs = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{key}={init_from!r}: {config_file} is not readable JSON: {err}") from None
+    ours = getattr(getattr(model, "config", None), "model_type", None)
+    if theirs and ours and theirs != ours:
+        raise CheckpointError(f"{key}={init_from!r} holds a {theirs} model ({config_file}), but the model being "
+                              f"trained is a {ours} model; start from weights of the same architecture")
+
+
+def check_shapes(model, state: dict, key: str, init_from: str) -> None:
+    """Weights of another size are a clear error naming the first tensor that differs, instead
+    of torch's size-mismatch traceback."""
+    own = model.state_dict()
+    mismatched = [name for name, tensor in state.items() if name in own and own[name].shape != tensor.shape]
+    if mismatched:
+        first = mismatched[0]
+        more = f" ({len(mismatched)} tensors differ)" if len(mismatched) > 1 else ""
+        raise CheckpointError(
+            f"{key}={init_from!r} holds weights of another shape: {first} is "
+            f"{list(state[first].shape)} there but {list(own[first].shape)} in the model{more}; start from "
+            f"weights of the same architecture and size (model.* settings such as hidden_size, num_layers, "
+            f"and the tokenizer's vocabulary must match those the weights were trained with)")

@@ -12,15 +12,20 @@ from transformers import PreTrainedTokenizerFast
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
 
-def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
-    """One token per character of ``alphabet`` plus pad / eos / unk specials."""
+def build_char_tokenizer(alphabet: str, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+    """One token per character of ``alphabet`` plus pad / eos / unk specials.
+
+    ``model_max_length`` is the model's context (its max_position_embeddings): prompt checks
+    read it, and the export records it instead of transformers' "unknown" sentinel (1e30).
+    """
     chars = list(dict.fromkeys(alphabet))  # de-duplicated, order kept
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK] + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # join characters back without spaces
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left", **extra
     )
     return tokenizer
 

@@ -1,0 +1,254 @@
+"""The `posttrain-eval` entry point: score a trained policy without training (conf/evaluate.yaml).
+
+    posttrain-eval checkpoint=outputs/sft/runs/<time>                    # a run: its hf_model/ (else last.ckpt)
+    posttrain-eval checkpoint=<run dir>/checkpoints/step000300.ckpt pass_k=[1,4,8] num_samples=8
+    posttrain-eval checkpoint=<Hugging Face model dir> eval.split=test eval.num_prompts=512
+
+Reports held-out greedy accuracy and mean response length through training's own
+validation code (so a run's final model reproduces the `eval/*` numbers of its
+summary.json), and unbiased pass@k from `num_samples` sampled responses per prompt.
+Writes eval.json in outputs/eval/runs/<time>/.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from posttrain.errors import CheckpointError, ConfigError, DataError, PosttrainError
+from posttrain.train import CONFIG_DIR, EXPECTED_WARNINGS, log, remove_unused_run_dir
+
+# What a run's config.yaml decides, so that the tokenizer, task, prompts and numerics are training's.
+RUN_SETTINGS = ("model", "data", "eval", "rollout", "trainer.accelerator", "trainer.precision")
+USAGE = "posttrain-eval checkpoint=<run dir | .ckpt file | Hugging Face model dir>"
+
+
+@dataclass
+class Weights:
+    path: Path              # a Lightning checkpoint file or a Hugging Face model directory
+    is_hf_dir: bool
+    run_dir: Path | None    # the training run they came from (it has config.yaml), if any
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "config.yaml").is_file()
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def find_weights(checkpoint: str | None) -> Weights:
+    """What `checkpoint=` points at: a run dir (its hf_model/, else checkpoints/last.ckpt), a
+    .ckpt file (inside a run's checkpoints/ or not), or an HF dir (a run's hf_model/ or not)."""
+    if checkpoint is None:
+        raise ConfigError(f"checkpoint is not set: say what to evaluate, e.g. `{USAGE}`")
+    path = Path(str(checkpoint)).expanduser().resolve()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint={checkpoint!r}: no such file or directory ({path}). Usage: {USAGE}")
+    if path.is_file():
+        in_run = path.parent.name == "checkpoints" and is_run_dir(path.parent.parent)
+        return Weights(path, is_hf_dir=False, run_dir=path.parent.parent if in_run else None)
+    if is_run_dir(path):
+        if is_hf_dir(path / "hf_model"):  # the final model, written when training finished
+            return Weights(path / "hf_model", is_hf_dir=True, run_dir=path)
+        if (path / "checkpoints" / "last.ckpt").is_file():  # a run that stopped before its export
+            return Weights(path / "checkpoints" / "last.ckpt", is_hf_dir=False, run_dir=path)
+        raise CheckpointError(f"checkpoint={checkpoint!r} is a run directory without weights: it has neither "
+                              f"{path / 'hf_model'} nor {path / 'checkpoints' / 'last.ckpt'} (the run stopped "
+                              f"before its first checkpoint). Point checkpoint= at a .ckpt file or a model directory")
+    if is_hf_dir(path):
+        return Weights(path, is_hf_dir=True, run_dir=path.parent if is_run_dir(path.parent) else None)
+    raise CheckpointError(f"checkpoint={checkpoint!r} ({path}) is neither a posttrain run directory (it has no "
+                          f"config.yaml) nor a Hugging Face model directory (it has no config.json). Usage: {USAGE}")
+
+
+def command_line_keys() -> list[str]:
+    """The keys (or config groups) this job's command-line overrides set."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return []
+    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    return [override.key_or_group for override in overrides]
+
+
+def take_run_settings(cfg: DictConfig, run_config: Path) -> None:
+    """Replace the composed RUN_SETTINGS by the run's own, then put back what the command
+    line set (the composed config holds those values: an override wins over the run)."""
+    run_cfg = OmegaConf.load(run_config)
+    composed = cfg.copy()
+    sections = {key.split(".")[0] for key in RUN_SETTINGS}
+    with open_dict(cfg):
+        for key in RUN_SETTINGS:
+            if OmegaConf.select(run_cfg, key) is not None:
+                OmegaConf.update(cfg, key, OmegaConf.select(run_cfg, key), merge=False)
+        for key in command_line_keys():
+            if key.split(".")[0] in sections:
+                OmegaConf.update(cfg, key, OmegaConf.select(composed, key), merge=False)
+
+
+def check_sampling(cfg: DictConfig) -> None:
+    """pass@k needs k <= num_samples sampled responses per prompt, at a temperature > 0."""
+    if not cfg.pass_k:
+        return
+    for k in cfg.pass_k:
+        if not isinstance(k, int) or k < 1:
+            raise ConfigError(f"pass_k={list(cfg.pass_k)}: every k must be an integer >= 1 (got {k!r})")
+        if k > cfg.num_samples:
+            raise ConfigError(f"pass_k={list(cfg.pass_k)} asks for pass@{k}, but num_samples={cfg.num_samples}: "
+                              f"pass@k is estimated from num_samples sampled responses per prompt, so it needs "
+                              f"num_samples >= k. Raise num_samples or drop k from pass_k")
+    if not cfg.temperature > 0:
+        raise ConfigError(f"temperature={cfg.temperature}: pass@k samples, so it needs a temperature > 0 "
+                          f"(the greedy accuracy is reported anyway; pass_k=[] skips sampling)")
+
+
+def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
+    """Training's held-out evaluation, inherited as it is (greedy accuracy and response length
+    through `validation_step`), plus `predict_step`: `num_samples` responses per prompt sampled
+    at `temperature`, scored by the same `generate_and_score`, counted correct per prompt.
+    (The class is made here so that argument errors come before torch and Lightning load.)"""
+    import torch
+
+    from posttrain.algorithms.base import PosttrainModule, generate_and_score
+    from posttrain.rollout import SamplingParams
+
+    class EvalModule(PosttrainModule):
+        def __init__(self, sampling: SamplingParams, num_samples: int, seed: int):
+            super().__init__(policy, tokenizer, source, optim=None, rollout=cfg.rollout,
+                             eval_max_new_tokens=cfg.eval.max_new_tokens)
+            self.sampling, self.num_samples, self.seed = sampling, num_samples, seed
+
+        def on_predict_start(self) -> None:
+            self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # the same draws every time
+
+        def predict_step(self, batch, batch_idx):
+            n = self.num_samples
+            repeated = {"prompt_ids": batch["prompt_ids"].repeat_interleave(n, dim=0),
+                        "prompt_mask": batch["prompt_mask"].repeat_interleave(n, dim=0),
+                        "examples": [example for example in batch["examples"] for _ in range(n)]}
+            correct, _ = generate_and_score(self, repeated, self.sampling, self.generator)
+            return torch.tensor(correct).view(-1, n).sum(dim=1)  # correct responses of each prompt
+
+    sampling = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    return EvalModule(sampling, num_samples=cfg.num_samples, seed=cfg.seed)
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    """Score the policy at `cfg.checkpoint`; returns the results also written to eval.json."""
+    # what to load, and from which settings, before anything heavy loads: mistakes fail fast
+    check_sampling(cfg)  # the command line's alone, whatever the run says
+    weights = find_weights(cfg.checkpoint)
+    if weights.run_dir is not None:
+        take_run_settings(cfg, weights.run_dir / "config.yaml")
+    with open_dict(cfg):
+        if weights.is_hf_dir:  # the export carries its own tokenizer and architecture
+            cfg.model.name_or_path, cfg.model.init_from = str(weights.path), None
+        else:  # the run's architecture (and tokenizer), the checkpoint's policy weights
+            cfg.model.init_from = str(weights.path)
+    OmegaConf.resolve(cfg)
+    output_dir = Path(cfg.paths.output_dir)
+
+    import logging
+    import warnings
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers.utils import logging as transformers_logging
+
+    from posttrain.core import pass_at_k
+    from posttrain.data.datamodule import PosttrainDataModule, collate_prompts
+    from posttrain.data.sources import build_source
+    from posttrain.models.loading import load_tokenizer_and_model
+    from posttrain.utils import write_json_atomic
+
+    for pattern in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    # one in-process evaluation: Lightning's hint about loader workers is noise here
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # the table is the output: no Lightning banners (accelerator, tips), no weight-loading bars
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    transformers_logging.disable_progress_bar()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+
+    source = build_source(cfg.data)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    module = build_eval_module(policy, tokenizer, source, cfg)
+    # the held-out prompts exactly as training builds them (no training stream: batch_size unused)
+    datamodule = PosttrainDataModule(source, tokenizer, batch_size=1, train_collate=None, eval_split=cfg.eval.split,
+                                     eval_num_prompts=cfg.eval.num_prompts, eval_batch_size=cfg.eval.batch_size)
+    if not datamodule.eval_examples:
+        raise DataError(f"eval.split={cfg.eval.split!r} has no examples to evaluate on")
+    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(output_dir))
+
+    greedy = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    results = {"eval/accuracy": float(greedy["eval/accuracy"]), "eval/response_len": float(greedy["eval/response_len"])}
+    if cfg.pass_k:
+        prompts_per_batch = max(1, cfg.eval.batch_size // cfg.num_samples)  # rows per generate call ~ eval.batch_size
+        loader = DataLoader(datamodule.eval_examples, batch_size=prompts_per_batch, shuffle=False,
+                            collate_fn=lambda examples: collate_prompts(examples, tokenizer))
+        num_correct = torch.cat(trainer.predict(module, dataloaders=loader))
+        for k in cfg.pass_k:
+            results[f"eval/pass@{k}"] = float(pass_at_k(cfg.num_samples, num_correct, k).mean())
+    results.update(
+        checkpoint=str(cfg.checkpoint), weights=str(weights.path),
+        run_dir=None if weights.run_dir is None else str(weights.run_dir),
+        split=cfg.eval.split, num_prompts=len(datamodule.eval_examples), greedy_max_new_tokens=cfg.eval.max_new_tokens,
+        num_samples=cfg.num_samples if cfg.pass_k else 0, temperature=cfg.temperature, seed=cfg.seed,
+        settings=OmegaConf.to_container(OmegaConf.masked_copy(cfg, ["model", "data", "eval", "rollout", "trainer"])),
+    )
+    write_json_atomic(output_dir / "eval.json", results)
+    print_results(results, list(cfg.pass_k or []))
+    log.info(f"wrote {output_dir / 'eval.json'}")
+    return results
+
+
+def print_results(results: dict, pass_k: list[int]) -> None:
+    from rich.table import Table
+
+    from posttrain.console import render
+
+    log.info(f"evaluated {results['weights']}")
+    table = Table(title=f"{results['num_prompts']} held-out prompts ({results['split']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("accuracy (greedy)", f"{results['eval/accuracy']:.1%}")
+    table.add_row("response_len (greedy)", f"{results['eval/response_len']:.2f} tok")
+    for k in pass_k:
+        table.add_row(f"pass@{k} (n={results['num_samples']}, T={results['temperature']:g})",
+                      f"{results[f'eval/pass@{k}']:.1%}")
+    log.info(render(table))  # through the logger: also in eval.log
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")
+def _hydra_entry(cfg: DictConfig) -> None:
+    from omegaconf.errors import OmegaConfBaseException
+
+    from posttrain.console import setup_console
+
+    setup_console()
+    try:
+        evaluate(cfg)
+    except (PosttrainError, OmegaConfBaseException) as err:
+        log.error(f"posttrain-eval: error: {err}")
+        remove_unused_run_dir(Path(cfg.paths.output_dir), Path(cfg.paths.log_dir), log_name="eval.log")
+        sys.exit(1)
+
+
+def main() -> None:
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Every command in README.md's shell blocks runs as written, with a tiny budget appended.
+
+The commands are read from the README itself, so a command added there is tested here.
+Placeholders name the runs of earlier commands: `outputs/<task>/runs/<time>` is the newest
+run of that task, `outputs/multiruns/<time>` the newest sweep. Budget overrides are
+appended (later overrides win in Hydra), so each command keeps its own choices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+SKIPPED = ("pip ", "python -m pytest")  # set-up and this very test suite
+BUDGET = ["trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.checkpoint.every_n_train_steps=2",
+          "eval.num_prompts=8", "eval.batch_size=8", "callbacks.progress_bar=none", "logger=csv"]
+# online runs: a short warm start (shared by all of them through the cache), small batches
+ONLINE_BUDGET = ["algorithm.warm_start.steps=20", "algorithm.prompts_per_step=2", "algorithm.group_size=4"]
+OFFLINE = ("algorithm=sft", "experiment=sft_tiny")
+
+
+def readme_commands() -> list[str]:
+    """The command lines of README.md's ```bash blocks, comments and continuations joined."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = line.split(" #", 1)[0].strip()
+            if command and not command.startswith("#") and not command.startswith(SKIPPED):
+                commands.append(" ".join(command.split()))
+    return commands
+
+
+def fill_placeholders(command: str, log_dir: Path) -> str:
+    def newest(pattern: str) -> str:
+        found = sorted(log_dir.glob(pattern), key=os.path.getmtime)
+        assert found, f"no {pattern} under {log_dir} for: {command}"
+        return str(found[-1])
+
+    command = re.sub(r"outputs/(\w+)/runs/<time>", lambda m: newest(f"{m.group(1)}/runs/*"), command)
+    return re.sub(r"outputs/multiruns/<time>", lambda m: newest("multiruns/*"), command)
+
+
+def with_budget(arguments: list[str], log_dir: Path) -> list[str]:
+    if arguments[:1] == ["posttrain"] and ("--help" in arguments or "--cfg" in arguments):
+        return arguments
+    if arguments[0] == "posttrain-eval":
+        return arguments + ["eval.num_prompts=8", "eval.batch_size=8", "num_samples=2", "pass_k=[1,2]",
+                            f"paths.log_dir={log_dir}"]
+    if arguments[0] == "python":  # benchmarks/ scripts take their own arguments
+        return arguments
+    budget = list(BUDGET)
+    if not any(a.startswith(OFFLINE) for a in arguments) and any(
+            a.startswith(("algorithm=", "experiment=")) for a in arguments):
+        budget += ONLINE_BUDGET
+    if any(a.startswith("resume=") for a in arguments):
+        budget = ["trainer.max_steps=4"]  # its own overrides come back; only extend it
+    if "hydra/launcher=slurm" in arguments:
+        # no cluster here: the same sweep through the local launcher, and SLURM's own keys dropped
+        arguments = [a.replace("hydra/launcher=slurm", "hydra/launcher=local") for a in arguments
+                     if not a.startswith("hydra.launcher.")]
+    return arguments + budget + [f"paths.log_dir={log_dir}"]
+
+
+def as_process(arguments: list[str]) -> list[str]:
+    """Run the entry points with this interpreter, as installed console scripts would."""
+    if arguments[0] == "posttrain":
+        return [sys.executable, "-m", "posttrain.train", *arguments[1:]]
+    if arguments[0] == "posttrain-eval":
+        return [sys.executable, "-m", "posttrain.evaluate", *arguments[1:]]
+    if arguments[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *arguments[1:]]
+    if arguments[0] == "python":  # a script of the repository, by its path from the repository root
+        return [sys.executable, str(REPO / arguments[1]), *arguments[2:]]
+    raise AssertionError(f"README command of an unknown program: {arguments}")
+
+
+def test_readme_has_the_commands_it_promises():
+    commands = readme_commands()
+    assert "posttrain experiment=grpo_tiny" in commands
+    assert any(c.startswith("posttrain resume=") for c in commands)
+    assert any(c.startswith("posttrain-eval ") for c in commands)
+    assert "posttrain --help" in commands
+
+
+def test_every_readme_command_runs(tmp_path):
+    log_dir = tmp_path / "outputs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    for command in readme_commands():
+        arguments = with_budget(shlex.split(fill_placeholders(command, log_dir)), log_dir)
+        result = subprocess.run(as_process(arguments), capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                                env=env)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, f"README command failed: {command}\n{output[-4000:]}"
+        assert "Traceback" not in output, f"{command}\n{output[-4000:]}"
