@@ -105,7 +105,7 @@ def test_the_cli_trains_with_two_processes_under_torchrun(sft_start, tmp_path):
 def test_a_multi_process_run_refuses_to_train_an_uncached_warm_start(make_config, monkeypatch, tmp_path):
     """Every process would train its own copy and race for the cache: a clear error instead."""
     from posttrain.errors import ConfigError
-    from posttrain.train import warm_start
+    from posttrain.warm_start import warm_start
 
     cfg = make_config("experiment=grpo_tiny", f"paths.cache_dir={tmp_path}/cache")
     OmegaConf.resolve(cfg)

@@ -10,7 +10,8 @@ import pytest
 
 from omegaconf import OmegaConf
 
-from posttrain.train import resume_arguments, warm_start_plan
+from posttrain.cli import resume_arguments
+from posttrain.warm_start import warm_start_plan
 
 ONLINE_PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "ppo"]
 QUICK = ["logger=none", "callbacks.progress_bar=none", "eval.num_prompts=16", "eval.batch_size=16"]
@@ -135,7 +136,7 @@ def test_a_sweep_over_algorithms_writes_one_directory_that_sweep_table_reads(tmp
 
 
 def test_a_resumed_run_keeps_its_wandb_run(tmp_path):
-    from posttrain.train import wandb_run_id
+    from posttrain.tracking import wandb_run_id
 
     first = wandb_run_id(tmp_path)
     assert first.isalnum() and wandb_run_id(tmp_path) == first  # the same run dir: the same W&B run
