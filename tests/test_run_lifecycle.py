@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from omegaconf import OmegaConf
 
@@ -57,7 +58,7 @@ def test_resume_arguments_replay_the_saved_overrides(tmp_path):
     (run_dir / ".hydra" / "overrides.yaml").write_text(
         "- algorithm=grpo\n- trainer.max_steps=500\n- callbacks.stop_at_step=10\n- ckpt_path=old.ckpt\n")
     (run_dir / "checkpoints").mkdir()
-    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
+    torch.save({"global_step": 3}, run_dir / "checkpoints" / "last.ckpt")
     assert resume_arguments(["seed=1"]) == ["seed=1"]  # no resume: untouched
     assert resume_arguments([f"resume={run_dir}", "trainer.max_steps=800"]) == [
         "algorithm=grpo", "trainer.max_steps=800", f"hydra.run.dir={run_dir.resolve()}",
@@ -92,7 +93,7 @@ def test_resume_errors_name_the_run_directory(tmp_path):
     run_dir = tmp_path / "fresh"
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text("[]\n")
-    assert_clean_failure(posttrain(f"resume={run_dir}", log_dir=tmp_path), "last.ckpt", "no checkpoint")
+    assert_clean_failure(posttrain(f"resume={run_dir}", log_dir=tmp_path), "checkpoints", "no checkpoint")
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,13 @@ def resume_arguments(arguments: list[str]) -> list[str]:
     if not saved_overrides.is_file():
         raise CheckpointError(f"{requested[0]}: {run_dir} is not a posttrain run directory "
                               f"(it has no .hydra/overrides.yaml)")
-    checkpoint = run_dir / "checkpoints" / "last.ckpt"
-    if not checkpoint.is_file():
-        raise CheckpointError(f"{requested[0]}: the run has no checkpoint to resume from ({checkpoint} is missing: "
-                              f"it stopped before its first one); start it again instead")
+    from posttrain.checkpoints import newest_intact_checkpoint
+
+    checkpoint = newest_intact_checkpoint(run_dir / "checkpoints")  # last.ckpt, or the newest step's if a kill cut it
+    if checkpoint is None:
+        raise CheckpointError(f"{requested[0]}: the run has no checkpoint to resume from (no intact last.ckpt or "
+                              f"step checkpoint in {run_dir / 'checkpoints'}: it stopped before its first one); "
+                              f"start it again instead")
     extra = [a for a in arguments if not a.startswith("resume=")]
     # stop_at_step simulates a preemption: replaying it would stop the resumed run again
     replaced = {override_key(a) for a in extra} | {"ckpt_path", "hydra.run.dir", "callbacks.stop_at_step"}

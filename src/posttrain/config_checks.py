@@ -188,7 +188,8 @@ SPECS: dict[str, Spec] = {
     # --- top level (conf/train.yaml) ---
     "seed": SEED,
     "num_threads": optional(integer(1)).about("torch threads on CPU; null: torch's default"),
-    "ckpt_path": optional(text()).about("a Lightning checkpoint, or 'last'"),
+    "ckpt_path": optional(text()).about("a Lightning checkpoint, 'last', or 'auto' (the run dir's newest intact "
+                                         "checkpoint, if any)"),
     "task_name": either(text(), integer(), expected="a non-empty name").about("names the run directory"),
     "print_config": boolean(),
     "eval.split": choice(*SPLITS),
@@ -196,6 +197,10 @@ SPECS: dict[str, Spec] = {
     "eval.batch_size": integer(1),
     "eval.max_new_tokens": integer(1).about("generation budget in tokens"),
     "eval.at_start": boolean(),
+    "eval.log_samples": integer(0).about("prompts in the samples table at each eval; 0: none"),
+    "eval.pass_k": optional(list_of(integer(1))).about("each k <= eval.num_samples; null: no pass@k"),
+    "eval.num_samples": integer(1).about("sampled responses per prompt for pass@k"),
+    "eval.temperature": POSITIVE.about("sampling temperature for pass@k"),
     "roles.*.name_or_path": optional(text()).about("a hub id or HF directory; null: a copy of the policy"),
     "roles.*.init_from": optional(text()).about("'policy', a checkpoint or an HF directory"),
     "roles.*.dtype": optional(choice(*DTYPES)).about("null: the policy's"),
@@ -212,6 +217,9 @@ SPECS: dict[str, Spec] = {
     "trainer.num_nodes": integer(1),
     "trainer.precision": choice(*PRECISIONS),
     "trainer.max_steps": integer(1).about("optimiser steps"),
+    # a budget in rollout batches (sweeps/): one epoch of limit_train_batches, max_steps a cap
+    "trainer.max_epochs": optional(integer(1)).about("sweeps/: 1, with trainer.limit_train_batches"),
+    "trainer.limit_train_batches": optional(integer(1)).about("training (RL: rollout) batches per epoch"),
     "trainer.max_time": optional(either(DURATION, mapping("{hours: 1}"), expected="a duration 'DD:HH:MM:SS'")),
     "trainer.val_check_interval": either(integer(1), DURATION, expected="a positive integer or a duration "
                                          "'DD:HH:MM:SS'").about("training batches between held-out evaluations; "
@@ -231,6 +239,14 @@ SPECS: dict[str, Spec] = {
                                                   "'auto'").about("processes; trainer.devices x trainer.num_nodes"),
     "trainer.strategy.tensor_parallel_size": choice(1).about("posttrain shards no tensors: data parallelism only"),
     "trainer.strategy.save_distributed_checkpoint": boolean(),
+    "trainer.strategy.reshard_after_forward": boolean().about("trainer=fsdp: free gathered weights after forward"),
+    "trainer.strategy.param_dtype": optional(choice("float32", "bfloat16", "float16")).about(
+        "trainer=fsdp: compute dtype of the gathered weights; master weights stay fp32"),
+    "trainer.strategy.reduce_dtype": choice("float32", "bfloat16", "float16").about(
+        "trainer=fsdp: dtype of the gradient reduce-scatter"),
+    "trainer.strategy.activation_checkpointing": boolean().about("trainer=fsdp: recompute decoder blocks"),
+    "trainer.strategy.frozen_roles": choice("shard", "replicate_bf16").about(
+        "trainer=fsdp: how frozen roles (reference) are held"),
 
     # --- algorithm ---
     "algorithm._target_": text().about("the LightningModule class"),
@@ -374,6 +390,8 @@ SPECS: dict[str, Spec] = {
     "logger.entity": optional(text()),
     "logger.mode": choice("auto", "online", "offline", "disabled"),
     "logger.tags": list_of(text()),
+    "logger.group": optional(text()).about("the W&B group; null: the task name, or the sweep's name and time"),
+    "logger.job_type": text().about("the W&B job type"),
 
     # --- paths ---
     "paths.root_dir": text(),

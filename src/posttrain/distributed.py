@@ -1,6 +1,7 @@
 """The few collective operations online RL needs under data parallelism, as no-ops in a single
 process. Gradients are averaged by hand (not by a DDP wrapper) because one rollout batch runs
-several backward passes and optimiser steps inside one `training_step`."""
+several backward passes and optimiser steps inside one `training_step`; under FSDP2
+(trainer=fsdp) the reduce-scatter of each backward has averaged them already."""
 
 from __future__ import annotations
 
@@ -24,12 +25,22 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def average_gradients(parameters) -> None:
-    """Average every gradient over ranks, in place (what DDP's reducer would do)."""
+    """Average every gradient over ranks, in place (what DDP's reducer would do). Sharded
+    gradients (DTensors, FSDP2) are left alone: FSDP2 averaged them in its reduce-scatter,
+    and averaging again would divide by the world size twice."""
     world = rank_and_world()[1]
     if world == 1:
         return
     for p in parameters:
         if p.grad is None:  # unused by the loss on every rank alike (the same graph everywhere)
             continue
+        if is_dtensor(p.grad):
+            continue
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         p.grad.div_(world)
+
+
+def is_dtensor(x) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)

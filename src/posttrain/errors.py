@@ -23,3 +23,12 @@ class RewardError(PosttrainError):
 
 class CheckpointError(PosttrainError):
     """A checkpoint or model directory that is missing or unreadable."""
+
+
+class PreemptedError(PosttrainError):
+    """The run was stopped by a signal (SIGTERM, SIGUSR1, SIGUSR2) after writing a checkpoint;
+    `exit_code` is what the process exits with (never 0: the run did not finish)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

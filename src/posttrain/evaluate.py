@@ -112,11 +112,12 @@ def check_sampling(cfg: DictConfig) -> None:
 def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
     """Training's held-out evaluation, inherited as it is (greedy accuracy and response length
     through `validation_step`), plus `predict_step`: `num_samples` responses per prompt sampled
-    at `temperature`, scored by the same `generate_and_score`, counted correct per prompt.
-    (The class is made here so that argument errors come before torch and Lightning load.)"""
+    at `temperature`, counted correct per prompt by `count_correct_samples`, as training's
+    held-out pass@k does. (The class is made here so that argument errors come before torch
+    and Lightning load.)"""
     import torch
 
-    from posttrain.algorithms.base import PosttrainModule, generate_and_score
+    from posttrain.algorithms.base import PosttrainModule, count_correct_samples
     from posttrain.rollout import SamplingParams
 
     class EvalModule(PosttrainModule):
@@ -129,12 +130,9 @@ def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
             self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # the same draws every time
 
         def predict_step(self, batch, batch_idx):
-            n = self.num_samples
-            repeated = {"prompt_ids": batch["prompt_ids"].repeat_interleave(n, dim=0),
-                        "prompt_mask": batch["prompt_mask"].repeat_interleave(n, dim=0),
-                        "examples": [example for example in batch["examples"] for _ in range(n)]}
-            correct, _ = generate_and_score(self, repeated, self.sampling, self.generator)
-            return torch.tensor(correct).view(-1, n).sum(dim=1)  # correct responses of each prompt
+            # the loader's batches are batch_size // num_samples prompts: one generate call each
+            return count_correct_samples(self, batch, self.sampling, self.num_samples, self.generator,
+                                         rows_per_call=cfg.eval.batch_size)
 
     sampling = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)

@@ -1,13 +1,22 @@
-"""Experiment tracking: the job's logger (W&B, CSV or none), its run's name, id and mode."""
+"""Experiment tracking: the job's logger (W&B, CSV or none), its run's name, group, tags, id and mode.
+
+One W&B run per job: named from the Hydra choices (`run_name`), tagged `group:option` with
+them, `job_type` the algorithm, grouped by sweep (`wandb_group`), its config the resolved
+config plus the code's git commit. The run id is kept in the run dir, so a resumed or
+requeued job logs into the same run."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from posttrain.errors import ConfigError
+
+# Choices that say where and how a job runs, not what it trains: not made into tags.
+UNTAGGED_GROUPS = ("paths", "logger", "callbacks")
 
 
 def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
@@ -23,13 +32,15 @@ def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
         from lightning.pytorch.loggers import WandbLogger
 
         from posttrain.console import wandb_settings
+        from posttrain.train import hydra_choices
 
         mode = wandb_mode(cfg)
         logger = WandbLogger(
-            project=cfg.logger.project, entity=cfg.logger.entity, name=run_name, group=cfg.task_name,
-            tags=list(cfg.logger.tags), save_dir=str(output_dir), mode=mode,
+            project=cfg.logger.project, entity=cfg.logger.entity, name=run_name, group=wandb_group(cfg, output_dir),
+            job_type=cfg.logger.get("job_type") or cfg.algorithm.name,
+            tags=choice_tags(hydra_choices()) + list(cfg.logger.tags), save_dir=str(output_dir), mode=mode,
             id=wandb_run_id(output_dir), resume="allow",  # a resumed run continues its W&B run
-            config=OmegaConf.to_container(cfg, resolve=True), settings=wandb.Settings(**wandb_settings(mode)),
+            config=run_config(cfg), settings=wandb.Settings(**wandb_settings(mode)),
         )
         # Lightning always passes `anonymous` to wandb.init, and W&B warns on every run that
         # the setting does nothing: leave it unset
@@ -79,3 +90,74 @@ def run_name(choices: dict[str, str], cfg: DictConfig) -> str:
     if choices.get("numerics") not in (None, "posttrain"):
         picked.append(f"{choices['numerics']}-numerics")
     return "-".join(picked + [f"seed{cfg.seed}"]) if picked else f"{cfg.task_name}-seed{cfg.seed}"
+
+
+def choice_tags(choices: dict[str, str]) -> list[str]:
+    """`group:option` for each Hydra choice of what is trained (all of them, defaults too, so
+    that a filter on `rollout:fast` also finds the runs that did not say it)."""
+    return [f"{group}:{option}" for group, option in sorted(choices.items())
+            if group not in UNTAGGED_GROUPS and option not in (None, "None", "null")]
+
+
+def sweep_dir_of(output_dir: Path) -> Path | None:
+    """The sweep directory of a multirun job, None for a single run. A resumed sweep job
+    (`posttrain resume=<run dir>`) runs as a single run into its old run dir: it is known by
+    the multirun.yaml Hydra wrote in the run dir's parent, so it keeps its sweep's group."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(HydraConfig.get().sweep.dir)
+    if (output_dir.parent / "multirun.yaml").is_file():
+        return output_dir.parent
+    return None
+
+
+def wandb_group(cfg: DictConfig, output_dir: Path) -> str:
+    """A single run: `logger.group`, else the task name. A sweep job: `<name>-<sweep time>`,
+    one group for the whole sweep, where the name is `logger.group`, else the task name when
+    every job shares it, else `sweep` (a sweep over algorithm=, experiment= or task_name=)."""
+    sweep_dir = sweep_dir_of(output_dir)
+    name = cfg.logger.get("group")
+    if sweep_dir is None:
+        return str(name or cfg.task_name)
+    if not name:
+        name = "sweep" if sweeps_task(sweep_dir) else cfg.task_name
+    return f"{name}-{sweep_dir.name}"  # the sweep dir is named by its start time
+
+
+def sweeps_task(sweep_dir: Path) -> bool:
+    """Whether the sweep's jobs may have different task names: its command line (multirun.yaml,
+    written by Hydra before the first job) sweeps a key the task name comes from. Unknown
+    (no multirun.yaml): assumed so, which keeps one group for the sweep."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    record = sweep_dir / "multirun.yaml"
+    if not record.is_file():
+        return True
+    overrides = list(OmegaConf.load(record).hydra.overrides.task)
+    swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()}
+    return bool(swept & {"algorithm", "experiment", "task_name"})
+
+
+def run_config(cfg: DictConfig) -> dict:
+    """What the W&B run stores as its config: the resolved config, and the code's git commit."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["git_commit"], config["git_dirty"] = git_state(Path(__file__).resolve().parent)
+    return config
+
+
+def git_state(source_dir: Path) -> tuple[str | None, bool | None]:
+    """(commit, uncommitted changes to tracked files) of the checkout holding the code; (None,
+    None) for an installed package or without git. Bounded by a timeout: a hung git on a
+    network file system must not hold up the job."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(source_dir), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):  # no git, not a checkout, or too slow
+        return None, None
+    return commit, dirty

@@ -24,7 +24,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from posttrain.cli import resume_arguments, sweep_arguments
-from posttrain.errors import ConfigError, PosttrainError
+from posttrain.errors import ConfigError, PosttrainError, PreemptedError
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 # What the user must see goes through this logger: Hydra's logging config sends it to the
@@ -44,6 +44,7 @@ def build_callbacks(cfg: DictConfig, output_dir: Path) -> list:
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     from posttrain.callbacks import StepProgressBar, StopAtAccuracy, StopAtStep
+    from posttrain.history import MetricsHistory
 
     callbacks = [
         ModelCheckpoint(
@@ -62,6 +63,7 @@ def build_callbacks(cfg: DictConfig, output_dir: Path) -> list:
         callbacks.append(StepProgressBar())
     if cfg.logger.backend != "none":
         callbacks.append(LearningRateMonitor(logging_interval="step"))
+    callbacks.append(MetricsHistory(output_dir))  # <run dir>/metrics.jsonl, whatever the logger (posttrain-report)
     return callbacks
 
 
@@ -90,6 +92,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     from posttrain.data.datamodule import PosttrainDataModule
     from posttrain.data.sources import build_source
     from posttrain.models.loading import load_tokenizer_and_model
+    from posttrain.sharding import consolidated_model
     from posttrain.tracking import build_logger, finish_logger, run_name, wandb_mode
     from posttrain.utils import save_pretrained_atomic, write_json_atomic
     from posttrain.warm_start import warm_start
@@ -115,6 +118,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     # (the reference) are rebuilt from the policy's starting weights, which checkpoints omit.
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
     module = build_module(cfg, policy, tokenizer, source)
+    module.configure_eval(cfg.eval, samples_dir=output_dir / "samples", seed=cfg.seed)  # samples table, pass@k
     datamodule = PosttrainDataModule(
         source, tokenizer, batch_size=module.batch_size, train_collate=module.train_collate,
         eval_split=cfg.eval.split, eval_num_prompts=cfg.eval.num_prompts,
@@ -125,8 +129,13 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     record = RunRecord(cfg.algorithm.name)  # in every checkpoint: the algorithm, the start metrics
     logger = build_logger(cfg, output_dir, run_name(choices, cfg))
     try:  # run() owns the logger: its run ends with the job, also when the job fails
-        trainer = instantiate(cfg.trainer, logger=logger, callbacks=build_callbacks(cfg, output_dir) + [record],
-                              enable_progress_bar=cfg.callbacks.progress_bar != "none")
+        from posttrain.preemption import Preemption, cluster_plugins
+
+        # Preemption owns SIGTERM / SIGUSR1 / SIGUSR2 (checkpoint, requeue, non-zero exit);
+        # the plugins write checkpoints atomically and keep Lightning's SLURM requeue off
+        trainer = instantiate(cfg.trainer, logger=logger,
+                              callbacks=build_callbacks(cfg, output_dir) + [record, Preemption(output_dir / "checkpoints")],
+                              plugins=cluster_plugins(), enable_progress_bar=cfg.callbacks.progress_bar != "none")
         if announce and trainer.is_global_zero:
             announce_run(cfg, choices, output_dir, ckpt_path)
 
@@ -142,8 +151,9 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
             summary.update({k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()})
         summary.update(global_step=trainer.global_step, train_seconds=round(train_seconds, 2),
                        choices=choices, run_dir=str(output_dir), warm_start=start_dir)
+        export = consolidated_model(module.policy)  # every rank gathers a sharded policy; rank 0 gets it whole
         if trainer.is_global_zero:
-            save_pretrained_atomic(module.policy, tokenizer, output_dir / "hf_model")
+            save_pretrained_atomic(export, tokenizer, output_dir / "hf_model")
             write_json_atomic(output_dir / "summary.json", summary)
             print_before_after(summary)
             if cfg.logger.backend == "wandb" and wandb_mode(cfg) == "offline":
@@ -234,6 +244,8 @@ def _hydra_entry(cfg: DictConfig) -> None:
     setup_console()  # Lightning's own console handler (every line twice), HF progress bars, warnings to train.log
     try:
         run(cfg)
+    except PreemptedError as err:  # stopped by a signal after a checkpoint (Preemption said so): not finished
+        sys.exit(err.exit_code)
     except (PosttrainError, OmegaConfBaseException) as err:
         log.error(f"posttrain: error: {err}")
         remove_unused_run_dir(Path(cfg.paths.output_dir), Path(cfg.paths.log_dir))

@@ -1,13 +1,26 @@
 """The SFT warm start of an online run: planned from the run's config, trained once (by the
-entry point's own `run`), cached under a key of what it depends on, shared by every run."""
+entry point's own `run`), cached under a key of what it depends on, shared by every run.
+
+Many jobs of a sweep (a SLURM array) may start at the same moment with the same uncached warm
+start: the first takes a lock beside the cache entry and trains it, the others wait on that
+lock and then read the cache. The lock is `fcntl.flock`: the kernel releases it when its
+holder dies, so a crashed or killed job never blocks the others (they take the lock and
+train it themselves). It works across the nodes of a cluster where the shared file system
+supports locks (NFS with lockd, the usual case; Lustre mounted with `-o flock`, not
+`localflock`); on one without, the job stops with an error naming paths.cache_dir."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import hashlib
 import logging
 import os
 import shutil
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -32,10 +45,60 @@ def warm_start(cfg: DictConfig) -> str | None:
     if (target / "hf_model").is_dir():
         return str(target / "hf_model")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # every process would train its own copy and race for the cache: build it once first
+        # the ranks of one job cannot wait for each other before the process group exists, and
+        # one rank training alone would stall the others' collectives: build it once first
         raise ConfigError(f"the SFT warm start of this config is not cached yet ({target}); build it once in a "
                           f"single process (the same command without torchrun, with trainer=cpu "
                           f"trainer.max_steps=1), or start from weights with model.init_from=<dir>")
+    with cache_lock(target) as lock_path:
+        if (target / "hf_model").is_dir():  # another job of the sweep trained it while this one waited
+            log.info(f"Warm start: trained by another job, read from {target}")
+        else:
+            train_warm_start(cfg, sft_cfg, target)
+        # The cache keeps entries only. Safe while held: the entry is in place, so a job that
+        # locks the old file after us, or a new one after the unlink, finds it and trains nothing.
+        lock_path.unlink(missing_ok=True)
+    return str(target / "hf_model")
+
+
+@contextlib.contextmanager
+def cache_lock(target: Path) -> Iterator[Path]:
+    """Hold `<target>.lock` (beside the cache entry) exclusively: one job trains a warm start,
+    the others wait here. The holder's host and pid are written into the lock file so that a
+    waiting job can say whom it waits for; the kernel drops the lock when the holder exits or
+    dies, however it ends."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.with_name(f"{target.name}.lock")
+    with open(lock_path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another job"
+            log.info(f"Warm start: waiting for {holder}, which is training it (lock {lock_path})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as err:  # ENOLCK: a file system without locks; training unlocked would race
+            raise ConfigError(f"paths.cache_dir={target.parent.parent} cannot hold the warm start's lock ({err}); "
+                              f"set paths.cache_dir to a directory on a file system with file locks") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+        lock.flush()
+        try:
+            yield lock_path
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def train_warm_start(cfg: DictConfig, sft_cfg: DictConfig, target: Path) -> None:
+    """Train the SFT run into a scratch directory beside `target`, then rename it into place,
+    so that the cache holds whole warm starts only. Called with the cache lock held."""
+    # what a killed holder left (its scratch directory, or an entry without hf_model) is
+    # nobody's now: the lock is ours
+    for leftover in target.parent.glob(f".{target.name}.*.tmp"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if target.exists():
+        shutil.rmtree(target)
     settings = cfg.algorithm.warm_start
     target_accuracy = settings.get("until_accuracy")
     goal = " for" if target_accuracy is None else f" until held-out accuracy >= {target_accuracy:.0%}, for at most"
@@ -48,11 +111,7 @@ def warm_start(cfg: DictConfig) -> str | None:
     summary = run(sft_cfg, announce=False)
     log.info(f"Warm start: stopped at step {summary['global_step']}, "
              f"held-out accuracy {summary.get('eval/accuracy', float('nan')):.1%}")
-    if not target.exists():  # a concurrent job of the same sweep may have finished first
-        os.replace(scratch, target)
-    else:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return str(target / "hf_model")
+    os.replace(scratch, target)
 
 
 def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
@@ -84,9 +143,14 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
         sft_cfg.trainer.devices = 1
         sft_cfg.trainer.pop("strategy", None)
         sft_cfg.trainer.max_steps = settings.steps
+        # a sweep's budget in rollout batches (sweeps/: one epoch of limit_train_batches) is
+        # the RL run's, not the warm start's
+        sft_cfg.trainer.pop("limit_train_batches", None)
+        sft_cfg.trainer.pop("max_epochs", None)
         sft_cfg.trainer.val_check_interval = settings.steps if target_accuracy is None else settings.eval_every
         sft_cfg.callbacks.checkpoint.every_n_train_steps = settings.steps
         sft_cfg.callbacks.stop_at_step = None
+        sft_cfg.ckpt_path = None  # the RL run's checkpoint is not the warm start's
         sft_cfg.callbacks.stop_at_accuracy = target_accuracy
         if not sys.stdout.isatty():  # a log file gets its two lines, not a line per eval
             sft_cfg.callbacks.progress_bar = "none"
@@ -94,7 +158,44 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
         sft_cfg.logger = {"backend": "none"}
     identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer", "eval"])
     identity_cfg.stop_at_accuracy = target_accuracy
+    identity_cfg.code = code_version()
     identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
     identity = OmegaConf.to_yaml(identity_cfg)
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return sft_cfg, Path(cfg.paths.cache_dir) / "warm_start" / key
+
+
+# Source files an SFT run never imports (tests/test_sweeps.py checks it): the RL pipeline's
+# own modules, the ones edited most while iterating on an algorithm. Editing them must not
+# retrain every cached warm start; editing anything else (the model, data, SFT module,
+# core, rollout used by its held-out eval, this file) does.
+NOT_IN_SFT = ("algorithms/online.py", "algorithms/terms.py", "algorithms/experience.py", "models/roles.py",
+              "evaluate.py")
+
+
+@functools.cache
+def code_version() -> str:
+    """The code a warm start was trained with, for its cache key: posttrain's version, the
+    versions of the libraries whose numerics it depends on, and a hash of the contents of
+    posttrain's source files (those an SFT run imports). A content hash rather than the git
+    commit: it changes with uncommitted edits (a commit hash would not), stays the same
+    across commits that touch no such file (docs, configs of other runs, RL modules), and
+    needs no git checkout (an installed package, a copy on a cluster)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import lightning
+    import torch
+    import transformers
+
+    package = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        name = path.relative_to(package).as_posix()
+        if name not in NOT_IN_SFT:
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    try:
+        release = version("posttrain")
+    except PackageNotFoundError:  # a checkout on the path, not installed
+        release = "unreleased"
+    return (f"posttrain {release} source {digest.hexdigest()[:16]} torch {torch.__version__} "
+            f"transformers {transformers.__version__} lightning {lightning.__version__}")

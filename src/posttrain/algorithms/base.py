@@ -3,12 +3,18 @@ held-out evaluation by greedy generation, and the resumable count of training ba
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import torch
 
-from posttrain.distributed import all_reduce_sum
+from posttrain.core import pass_at_k
+from posttrain.distributed import all_reduce_sum, rank_and_world
+from posttrain.errors import ConfigError
 from posttrain.rollout import SamplingParams, build_rollout
 
 
@@ -26,15 +32,51 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
+@dataclass
+class Scored:
+    """Responses to the prompt rows of a batch, judged by the task's verifier."""
+
+    texts: list[str]        # decoded, without padding and special tokens
+    correct: list[float]    # 1.0 / 0.0 per row
+    lengths: list[float]    # response length in tokens per row
+    truncated: list[bool]   # hit the generation budget without EOS
+
+
 def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingParams,
-                       generator: torch.Generator | None = None) -> tuple[list[float], list[float]]:
+                       generator: torch.Generator | None = None) -> Scored:
     """One response per prompt row of `batch` (from `collate_prompts`), judged by the task's
-    verifier: (1.0 / 0.0 per row, response length in tokens per row). Held-out evaluation and
-    `posttrain-eval`'s pass@k both score through here, so their numbers mean the same thing."""
+    verifier. Held-out evaluation, its pass@k and `posttrain-eval` all score through here, so
+    their numbers mean the same thing."""
     rollout = module.generate(batch["prompt_ids"], batch["prompt_mask"], params, generator=generator)
     texts = decode_responses(module.tokenizer, rollout.response_ids, rollout.response_mask)
     correct = [float(module.source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
-    return correct, rollout.response_lengths().float().tolist()
+    return Scored(texts, correct, rollout.response_lengths().float().tolist(), rollout.truncated.tolist())
+
+
+def count_correct_samples(module: "PosttrainModule", batch: dict, params: SamplingParams, num_samples: int,
+                          generator: torch.Generator, rows_per_call: int) -> torch.Tensor:
+    """`num_samples` sampled responses to each prompt of `batch`: how many of each prompt's are
+    correct (the c of pass@k). Whole prompts are generated together, about `rows_per_call`
+    rows per call. Held-out eval's pass@k and `posttrain-eval` both count through here."""
+    n = num_samples
+    prompts_per_call = max(1, rows_per_call // n)
+    counts = []
+    for start in range(0, len(batch["examples"]), prompts_per_call):
+        rows = slice(start, start + prompts_per_call)
+        repeated = {"prompt_ids": batch["prompt_ids"][rows].repeat_interleave(n, dim=0),
+                    "prompt_mask": batch["prompt_mask"][rows].repeat_interleave(n, dim=0),
+                    "examples": [example for example in batch["examples"][rows] for _ in range(n)]}
+        scored = generate_and_score(module, repeated, params, generator)
+        counts.append(torch.tensor(scored.correct).view(-1, n).sum(dim=1))
+    return torch.cat(counts)
+
+
+def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+    """One JSON object a line, written whole or not at all (a temporary file, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(partial, path)
 
 
 class PosttrainModule(L.LightningModule):
@@ -58,7 +100,14 @@ class PosttrainModule(L.LightningModule):
         self._eval_lengths: list[float] = []
 
     def configure_model(self) -> None:
-        """Where a parallel strategy shards the model (FSDP2); plain data parallelism needs nothing."""
+        """Where a parallel strategy shards the model: under trainer=fsdp the strategy carries a
+        sharding policy (posttrain.sharding) applied to every role here, and generation then
+        gathers the policy's full weights once per call; plain data parallelism needs nothing."""
+        from posttrain.sharding import GatheringEngine, is_sharded, shard_module
+
+        shard_module(self)
+        if is_sharded(self.policy) and not isinstance(self.engine, GatheringEngine):
+            self.engine = GatheringEngine(self.engine)
 
     # --- optimisation -------------------------------------------------------------------
     def configure_optimizers(self):
@@ -98,19 +147,105 @@ class PosttrainModule(L.LightningModule):
             generator=generator,
         )
 
+    # Held-out evaluation's extras, off unless `configure_eval` (train.py) turns them on: the
+    # samples table and pass@k. Class attributes, so that every module has them set.
+    eval_log_samples: int = 0
+    eval_samples_dir: Path | None = None
+    eval_pass_k: tuple[int, ...] = ()
+    eval_num_samples: int = 1
+    eval_sampling: SamplingParams | None = None
+    eval_seed: int = 0
+
+    def configure_eval(self, eval_cfg, samples_dir: Path | None = None, seed: int = 0) -> None:
+        """Held-out eval's extras from the `eval` config node: the first `log_samples` prompts'
+        greedy responses as the table `eval/samples` (W&B) and as `samples_dir`/step<N>.jsonl;
+        `eval/pass@k` for each k of `pass_k` from `num_samples` responses per prompt sampled at
+        `temperature` (rollout top_p / top_k), with a generator seeded from `seed`."""
+        pass_k = [int(k) for k in (eval_cfg.get("pass_k") or [])]
+        num_samples, temperature = eval_cfg.get("num_samples", 1), eval_cfg.get("temperature", 1.0)
+        if any(k > num_samples for k in pass_k):
+            raise ConfigError(f"eval.pass_k={pass_k} asks for pass@{max(pass_k)}, but eval.num_samples={num_samples}: "
+                              f"pass@k is estimated from num_samples sampled responses per prompt, so it needs "
+                              f"eval.num_samples >= k")
+        if pass_k and not temperature > 0:
+            raise ConfigError(f"eval.temperature={temperature}: pass@k samples, so it needs a temperature > 0")
+        self.eval_log_samples = eval_cfg.get("log_samples", 0)
+        self.eval_samples_dir = None if samples_dir is None else Path(samples_dir)
+        self.eval_pass_k, self.eval_num_samples, self.eval_seed = tuple(pass_k), num_samples, seed
+        self.eval_sampling = SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=temperature,
+                                            top_p=self.rollout_cfg.top_p, top_k=self.rollout_cfg.top_k)
+
+    def on_validation_epoch_start(self) -> None:
+        self._eval_samples: list[dict] = []
+        self._eval_counts: list[torch.Tensor] = []  # per prompt: correct responses of eval_num_samples
+        if self.eval_pass_k:
+            # the same draws at every eval (each rank its own), and training's random state untouched
+            rank, world = rank_and_world()
+            self._eval_generator = torch.Generator(device=self.device).manual_seed(self.eval_seed * world + rank)
+
     def validation_step(self, batch, batch_idx):
         params = SamplingParams(max_new_tokens=self.eval_max_new_tokens, greedy=True, temperature=0.0)
-        correct, lengths = generate_and_score(self, batch, params)
-        self._eval_correct += correct
-        self._eval_lengths += lengths
+        scored = generate_and_score(self, batch, params)
+        self._eval_correct += scored.correct
+        self._eval_lengths += scored.lengths
+        wanted = self.eval_log_samples - len(self._eval_samples)
+        if wanted > 0 and self.trainer.is_global_zero:  # only rank 0 logs: its first prompts
+            self._eval_samples += self.sample_rows(batch["examples"][:wanted], scored)
+        if self.eval_pass_k:
+            self._eval_counts.append(count_correct_samples(self, batch, self.eval_sampling, self.eval_num_samples,
+                                                           self._eval_generator, rows_per_call=len(batch["examples"])))
+
+    def sample_rows(self, examples, scored: Scored) -> list[dict]:
+        """Rows of the samples table for the first len(examples) responses of `scored`."""
+        n = len(examples)
+        rewards = self.sample_rewards(examples, scored.texts[:n], scored.lengths[:n], scored.truncated[:n],
+                                      scored.correct[:n])
+        return [{"prompt": example.prompt, "response": text, "reward": float(reward), "correct": bool(correct)}
+                for example, text, reward, correct in zip(examples, scored.texts, rewards, scored.correct)]
+
+    def sample_rewards(self, examples, texts, lengths, truncated, correct) -> list[float]:
+        """The reward of held-out responses: the training reward where the module has one
+        (online RL's `reward_fn`, each response scored as a group of its own), else the
+        task's correctness (SFT and offline algorithms)."""
+        reward_fn = getattr(self, "reward_fn", None)
+        if reward_fn is None:
+            return list(correct)
+        from posttrain.rewards import ScoredSample
+
+        samples = [ScoredSample(example, text, int(length), bool(cut), group)
+                   for group, (example, text, length, cut) in enumerate(zip(examples, texts, lengths, truncated))]
+        return reward_fn(samples, self.source).total.tolist()
 
     def on_validation_epoch_end(self):
         # each rank scored its own shard of the held-out prompts: reduce sums and counts
+        counts = torch.cat(self._eval_counts) if self._eval_counts else torch.zeros(0)
+        pass_sums = [float(pass_at_k(self.eval_num_samples, counts, k).sum()) for k in self.eval_pass_k]
         totals = all_reduce_sum(torch.tensor([sum(self._eval_correct), sum(self._eval_lengths),
-                                              float(len(self._eval_correct))], dtype=torch.float64, device=self.device))
+                                              float(len(self._eval_correct)), *pass_sums],
+                                             dtype=torch.float64, device=self.device))
         if totals[2] == 0:
             return
         accuracy, length = float(totals[0] / totals[2]), float(totals[1] / totals[2])
         self.log_dict({"eval/accuracy": accuracy, "eval/response_len": length}, prog_bar=True)
+        if self.eval_pass_k:  # every prompt has eval_num_samples samples: the same count as the greedy rows
+            self.log_dict({f"eval/pass@{k}": float(totals[3 + i] / totals[2]) for i, k in enumerate(self.eval_pass_k)})
+        if self._eval_samples:
+            self.log_samples(self._eval_samples)
         self.evaluated_at_step = self.trainer.global_step
         self._eval_correct, self._eval_lengths = [], []
+
+    def log_samples(self, rows: list[dict]) -> None:
+        """The samples table of this eval: to W&B as `eval/samples`, and to the run dir as
+        samples/step<global step>.jsonl (readable offline and with any logger)."""
+        from lightning.pytorch.loggers import WandbLogger
+
+        if self.eval_samples_dir is not None:  # named like the checkpoints: by optimiser step
+            write_jsonl_atomic(self.eval_samples_dir / f"step{self.trainer.global_step:06d}.jsonl", rows)
+        # W&B: at the step Lightning logs this eval's metrics at (its counter of training
+        # batches, README "Step counters"), so the table lines up with eval/accuracy
+        logged_step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+        columns = ["prompt", "response", "reward", "correct"]
+        for logger in self.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_table(key="eval/samples", columns=columns, data=[[row[c] for c in columns] for row in rows],
+                                 step=logged_step)

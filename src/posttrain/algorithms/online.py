@@ -44,6 +44,7 @@ from posttrain.errors import ConfigError, RewardError
 from posttrain.models.roles import ValueModel, build_role
 from posttrain.rewards import ScoredSample, build_reward
 from posttrain.rollout import SamplingParams
+from posttrain.sharding import full_state_dict
 
 # Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
 KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")
@@ -212,7 +213,7 @@ class OnlineRLModule(PosttrainModule):
     def weights_fingerprint(self) -> str:
         """A short hash of the policy's current weights (what the pass rates were measured on)."""
         digest = hashlib.sha256()
-        for name, tensor in self.policy.state_dict().items():
+        for name, tensor in full_state_dict(self.policy, rank0_only=False).items():  # whole, also under FSDP
             digest.update(name.encode())
             digest.update(tensor.detach().float().cpu().numpy().tobytes())
         return digest.hexdigest()[:16]
