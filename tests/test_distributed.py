@@ -87,6 +87,43 @@ def test_two_ranks_draw_disjoint_prompts_and_average_to_the_union_gradient(make_
         torch.testing.assert_close(g0, param.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+def sft_rank_gradients(rank, port, cfg_dict, batches, out_dir):
+    """One SFT training step's gradients on this rank's batch, as Lightning would prepare them."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        module, _ = build(cfg_dict)
+        module.log = lambda *args, **kwargs: None  # no trainer here
+        module.training_step(batches[rank], 0).backward()
+        module.on_before_optimizer_step(None)
+        torch.save([p.grad for p in module.policy.parameters()], f"{out_dir}/sft_rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_sft_ranks_average_to_the_global_token_mean_gradient(make_config, tmp_path):
+    """SFT under trainer=ddp: the ranks' averaged gradient is that of one token mean over the
+    union batch, also when the ranks hold different numbers of completion tokens."""
+    from posttrain.data.datamodule import collate_sft
+
+    cfg = make_config("algorithm=sft", "model.hidden_size=32", "data.min_digits=1", "data.max_digits=3")
+    OmegaConf.resolve(cfg)
+    cfg_dict = OmegaConf.to_container(cfg)
+    single, tokenizer = build(cfg_dict)
+    examples = [single.source.example("train", i) for i in range(8)]
+    batches = [collate_sft(examples[:3], tokenizer), collate_sft(examples[3:], tokenizer)]  # unequal sizes
+    assert (batches[0]["labels"] != -100).sum() != (batches[1]["labels"] != -100).sum()
+    mp.spawn(sft_rank_gradients, args=(free_port(), cfg_dict, batches, str(tmp_path)), nprocs=WORLD, join=True)
+    grads = [torch.load(tmp_path / f"sft_rank{r}.pt") for r in range(WORLD)]
+
+    single.log = lambda *args, **kwargs: None
+    single.training_step(collate_sft(examples, tokenizer), 0).backward()
+    for (name, param), g0, g1 in zip(single.policy.named_parameters(), *grads):
+        torch.testing.assert_close(g0, g1, rtol=0, atol=0)  # averaged: the same on every rank
+        torch.testing.assert_close(g0, param.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
 def test_the_cli_trains_with_two_processes_under_torchrun(sft_start, tmp_path):
     overrides = ["trainer=ddp", "algorithm=grpo", f"model.init_from={sft_start}", "data.min_digits=2",
                  "data.max_digits=2", "algorithm.prompts_per_step=2", "algorithm.group_size=4",

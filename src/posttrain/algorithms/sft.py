@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.data.datamodule import collate_sft
+from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
 
 
 class SFTModule(PosttrainModule):
@@ -19,12 +20,21 @@ class SFTModule(PosttrainModule):
     def training_step(self, batch, batch_idx):
         logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         # position t predicts token t+1; labels are -100 on the prompt and on padding
-        loss = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100
-        )
+        labels = batch["labels"][:, 1:].flatten()
+        loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=-100, reduction="sum")
+        # The mean over the completion tokens of every rank's batch: each rank divides its sum by
+        # the global count and scales by the world size, so the ranks' averaged gradients
+        # (on_before_optimizer_step; FSDP2's reduce-scatter) are those of one global token mean.
+        global_tokens = all_reduce_sum((labels != -100).sum().float()).clamp(min=1.0)
+        world = rank_and_world()[1]
         self.train_batches_seen += 1
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+        self.log("train/loss", all_reduce_sum(loss_sum.detach()) / global_tokens, prog_bar=True)
+        return loss_sum * world / global_tokens
+
+    def on_before_optimizer_step(self, optimizer):
+        # data parallelism without a DDP wrapper (trainer=ddp): average the ranks' gradients,
+        # before clipping; sharded (FSDP2) gradients are averaged already and left alone
+        average_gradients(self.policy.parameters())
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.log("train/grad_norm", self.last_grad_norm)
