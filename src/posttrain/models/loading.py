@@ -114,7 +114,7 @@ def load_pretrained(name: str, key: str, dtype=torch.float32):
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first_line = first_line_of(err)
         raise CheckpointError(
             f"{key}={name!r} could not be loaded as a Hugging Face causal LM "
             f"(not a local model directory, and the hub is unreachable or has no such model): {first_line}"
@@ -169,6 +169,12 @@ def check_vocabulary_fits(tokenizer, model, where: str) -> None:
             f"tokenizer")
 
 
+def first_line_of(err: Exception) -> str:
+    """The gist of a library's (often many-line) error, for a one-paragraph message."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def load_initial_weights(model, init_from: str, key: str = "model.init_from") -> None:
     """Start weights from a Lightning checkpoint (its `policy.*` tensors) or an HF directory;
     errors name the config ``key`` that pointed here."""
@@ -182,7 +188,7 @@ def load_initial_weights(model, init_from: str, key: str = "model.init_from") ->
         try:
             state = AutoModelForCausalLM.from_pretrained(str(path), dtype=next(model.parameters()).dtype).state_dict()
         except (OSError, ValueError) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first_line = first_line_of(err)
             raise CheckpointError(f"{key}={init_from!r} is not a loadable Hugging Face model directory: "
                                   f"{first_line}") from None
     else:
