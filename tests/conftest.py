@@ -51,3 +51,19 @@ def sft_start(tmp_path_factory) -> Path:
     run(compose_config([*FAST_RUN, *EASY_TASK, "trainer.max_steps=120", "trainer.val_check_interval=120",
                         "callbacks.checkpoint.every_n_train_steps=120", "eval.at_start=false"], out))
     return out / "hf_model"
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory):
+    """``tiny_hf_model(family)``: the directory of a tiny model in the real on-disk format of
+    ``family`` (qwen2, qwen3, llama, qwen2_base; see tests/hf_models.py), built once a session."""
+    from hf_models import make_tiny_hf_model
+
+    built: dict[str, Path] = {}
+
+    def get(family: str = "qwen2") -> Path:
+        if family not in built:
+            built[family] = make_tiny_hf_model(tmp_path_factory.mktemp(f"hf_{family}") / f"tiny-{family}", family)
+        return built[family]
+
+    return get

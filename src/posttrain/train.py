@@ -26,7 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from posttrain.cli import resume_arguments, sweep_arguments
 from posttrain.errors import ConfigError, PosttrainError, PreemptedError
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+# The configs ship inside the package (src/posttrain/conf; `conf/` at the top of the source
+# tree links to it), so an installed `posttrain` finds them from any working directory.
+CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
 # What the user must see goes through this logger: Hydra's logging config sends it to the
 # console and to the run's train.log.
 log = logging.getLogger("posttrain")
