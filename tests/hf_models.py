@@ -38,7 +38,8 @@ FAMILIES = {
                   architecture="qwen2"),
     "qwen2_base": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos=None, eos="<|endoftext|>",
                        pad="<|endoftext|>", generation_eos=["<|endoftext|>"], template=None, architecture="qwen2"),
-    "qwen3": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], bos=None,
+    # Qwen3's <think> and </think> are added tokens but not special ones: decoding keeps them
+    "qwen3": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<think>", "</think>"], bos=None,
                   eos="<|im_end|>", pad="<|endoftext|>", generation_eos=["<|im_end|>", "<|endoftext|>"],
                   template=QWEN_TEMPLATE, architecture="qwen3"),
     "llama": dict(specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -71,6 +72,7 @@ def build_tokenizer(family: str, vocab_size: int = 420):
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=spec["bos"], eos_token=spec["eos"],
                                    pad_token=spec["pad"], additional_special_tokens=spec["specials"])
+    fast.add_tokens(spec.get("added", []), special_tokens=False)
     if spec["template"] is not None:
         fast.chat_template = spec["template"]
     return fast

@@ -3,11 +3,13 @@ every option of every group passes as composed, and a bad value or combination i
 ConfigError naming the key, the value and what is allowed (from the CLI: no traceback, no
 run directory)."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf, open_dict
 
 from posttrain.config_checks import ONLINE_ONLY_GROUPS, check_config, keys_without_spec
@@ -28,10 +30,17 @@ CONTEXT = {
     ("data_curriculum", "none"): (),
     ("model", "hf"): ("model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct",),
     ("data", "jsonl"): ("data.files.train=train.jsonl", "data.files.validation=validation.jsonl"),
+    ("data", "prompt_answer"): ("data.path=prompts.jsonl",),
 }
 ONLINE_CONTEXT = ("algorithm=grpo",)
 # Options no algorithm can run yet, with the reason their refusal gives.
 REFUSED = {("advantage", "prm_step"): "process reward model"}
+# Options that need hardware or packages this machine may lack, with what their refusal names.
+GPU_ONLY = {("rollout", "vllm"): "rollout=vllm needs a CUDA GPU and the vllm package"}
+if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+    CONTEXT[("rollout", "vllm")] = ("trainer=default",)
+else:
+    REFUSED.update(GPU_ONLY)
 
 
 def options(group: str) -> list[str]:
@@ -114,7 +123,8 @@ def test_a_bool_is_not_an_int_and_an_int_is_not_a_bool():
 
 
 def test_a_value_outside_its_choices_lists_them():
-    assert refusal("rollout.engine=vllm") == "rollout.engine='vllm' is not valid: expected one of 'fast', 'hf'."
+    assert refusal("rollout.engine=sglang") == (
+        "rollout.engine='sglang' is not valid: expected one of 'fast', 'hf', 'vllm'.")
 
 
 def test_a_required_value_left_unset_is_named():

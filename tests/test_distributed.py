@@ -23,6 +23,9 @@ from posttrain.train import build_module
 from test_grpo import rl_config
 
 WORLD = 2
+# how a job of WORLD ranks on this machine is launched (`torchrun --standalone`): the command
+# before `-m posttrain.train <overrides>`; torchrun picks a free port itself
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}")
 
 
 def free_port() -> int:
@@ -131,22 +134,59 @@ def test_the_cli_trains_with_two_processes_under_torchrun(sft_start, tmp_path):
                  "eval.num_prompts=32", "eval.batch_size=32", "logger=csv", "callbacks.progress_bar=none",
                  f"hydra.run.dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "posttrain.train", *overrides], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run([*TORCHRUN, "-m", "posttrain.train", *overrides], capture_output=True, text=True, env=env,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["global_step"] == 2 and "eval/accuracy" in summary
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
 
 
-def test_a_multi_process_run_refuses_to_train_an_uncached_warm_start(make_config, monkeypatch, tmp_path):
-    """Every process would train its own copy and race for the cache: a clear error instead."""
-    from posttrain.errors import ConfigError
-    from posttrain.warm_start import warm_start
+def test_rank_0_of_a_torchrun_job_trains_the_warm_start_once_and_every_rank_starts_from_it(tmp_path):
+    """An uncached warm start in a job of 2 ranks: rank 0 trains it alone (its trainer joins
+    no process group: the other rank is not in one yet), rank 1 waits for the cache entry,
+    then both train GRPO from it."""
+    overrides = ["trainer=ddp", "algorithm=grpo", "algorithm.warm_start.steps=4",
+                 "algorithm.warm_start.until_accuracy=null", "data.min_digits=2", "data.max_digits=2",
+                 "algorithm.prompts_per_step=2", "algorithm.group_size=4", "trainer.max_steps=1", "eval.at_start=false", "eval.num_prompts=16", "eval.batch_size=16",
+                 "logger=none", "callbacks.progress_bar=none", "num_threads=1",
+                 f"hydra.run.dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([*TORCHRUN, "-m", "posttrain.train", *overrides], capture_output=True, text=True, env=env,
+                            timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert output.count("Warm start: SFT for 4 steps") == 1, output[-3000:]  # trained once, by one rank
+    assert output.count("Warm start: rank 1 of 2 waits for rank 0") == 1, output[-3000:]
+    (entry,) = (tmp_path / "cache" / "warm_start").iterdir()  # one entry; no lock file or scratch left
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["global_step"] == 1 and summary["warm_start"] == str(entry / "hf_model")
 
-    cfg = make_config("experiment=grpo_tiny", f"paths.cache_dir={tmp_path}/cache")
+
+def test_ranks_of_a_job_wait_for_rank_0_and_stop_when_it_never_trains(make_config, monkeypatch, tmp_path):
+    """A rank other than 0 never trains the warm start: it waits as long as the lock is held
+    (rank 0 training), and stops with an error when nobody has held it for RANK_ZERO_START_S
+    (rank 0 failed) instead of waiting for the job's time limit."""
+    import threading
+
+    import posttrain.warm_start as warm_start_module
+    from posttrain.errors import CheckpointError
+
+    cfg = make_config("algorithm=grpo", f"paths.cache_dir={tmp_path}/cache")
     OmegaConf.resolve(cfg)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="not cached yet"):
-        warm_start(cfg)
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("hf_model"))
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")  # a SLURM job's second task
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setattr(warm_start_module, "RANK_ZERO_START_S", 0.2)
+    monkeypatch.setattr(warm_start_module, "POLL_S", 0.05)
+    monkeypatch.setattr(warm_start_module, "train_warm_start", lambda *args: pytest.fail("rank 1 trained"))
+    with pytest.raises(CheckpointError, match="rank 0 of this job has not held its lock"):
+        warm_start_module.warm_start(cfg)
+
+    _, target = warm_start_module.warm_start_plan(cfg)
+    with warm_start_module.cache_lock(target):  # rank 0 trains it, for longer than RANK_ZERO_START_S
+        finish = threading.Timer(1.0, lambda: (target / "hf_model").mkdir(parents=True))
+        finish.start()
+        assert warm_start_module.warm_start(cfg) == str(target / "hf_model")
+    assert finish.finished.is_set()

@@ -26,7 +26,7 @@ from posttrain.train import build_callbacks, build_module
 from posttrain.utils import save_pretrained_atomic
 
 from conftest import EASY_TASK, FAST_RUN, compose_config
-from test_distributed import free_port
+from test_distributed import TORCHRUN, free_port
 
 WORLD = 2
 STEPS = 3
@@ -95,6 +95,7 @@ def fit_worker(rank, world, port, cfg_dict, out_dir, ckpt_path):
         weights={k: v.clone() for k, v in full_state_dict(module.policy).items()})
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.save_checkpoint(out_dir / "final.ckpt")  # at the exported step (the periodic ones come every 2)
         sharded = any(type(p).__name__ == "DTensor" for p in module.policy.parameters())
         generation = greedy_generation(module, source, tokenizer)
         weights = full_state_dict(module.policy)
@@ -194,6 +195,26 @@ def test_the_hf_export_of_an_fsdp_run_is_the_full_model(fsdp_run):
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_a_sharded_checkpoint_starts_a_one_process_run_with_the_full_policy(fsdp_run):
+    """model.init_from=<a trainer=fsdp checkpoint directory>, in a process with no process
+    group: the policy gets the whole trained weights, those of the run's HF export."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, _, out = fsdp_run
+    assert not dist.is_initialized()
+    single_cfg = copy.deepcopy(cfg)
+    single_cfg.model.init_from = str(out / "final.ckpt")  # a directory of shards, at the exported step
+    _, policy = load_tokenizer_and_model(single_cfg.model, build_source(cfg.data).alphabet)
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf_model").state_dict()
+    assert policy.state_dict().keys() == exported.keys()
+    for name, value in policy.state_dict().items():
+        torch.testing.assert_close(value, exported[name], rtol=0, atol=0, msg=name)
+
+    single_cfg.model.init_from = str(out / "checkpoints" / "step000002.ckpt")  # an earlier step: other weights
+    _, earlier = load_tokenizer_and_model(single_cfg.model, build_source(cfg.data).alphabet)
+    assert any(not torch.equal(v, exported[k]) for k, v in earlier.state_dict().items())
+
+
 def test_a_sharded_checkpoint_resumes_exactly_and_on_another_number_of_ranks(fsdp_run, tmp_path):
     cfg, ranks, out = fsdp_run
     checkpoint = out / "checkpoints" / "step000002.ckpt"
@@ -242,7 +263,6 @@ def test_the_cli_trains_with_fsdp_under_torchrun(tmp_path):
     weights), a distributed checkpoint directory, the consolidated Hugging Face export."""
     import json
     import subprocess
-    import sys
 
     from transformers import AutoModelForCausalLM
 
@@ -254,8 +274,8 @@ def test_the_cli_trains_with_fsdp_under_torchrun(tmp_path):
     tests_dir = os.path.dirname(__file__)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}  # the reward above
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "posttrain.train", *overrides], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run([*TORCHRUN, "-m", "posttrain.train", *overrides], capture_output=True, text=True, env=env,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -263,6 +283,19 @@ def test_the_cli_trains_with_fsdp_under_torchrun(tmp_path):
     assert (run_dir / "checkpoints" / "last.ckpt" / "meta.pt").is_file()  # a distributed checkpoint
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
     assert exported.config.hidden_size == 32 and exported.dtype == torch.float32
+
+
+def test_a_critic_on_the_policy_backbone_is_refused_under_fsdp_before_anything_is_built(tmp_path):
+    """Its value head would read the sharded policy's decoder outside the policy's forward (see
+    sharding.shard_module); its own backbone under fsdp, and a shared one under ddp, are fine."""
+    from posttrain.config_checks import check_config
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"roles.critic.shared_backbone=true is not supported with trainer=fsdp"):
+        check_config(compose_config(["algorithm=ppo", "trainer=fsdp", "roles.critic.shared_backbone=true"], tmp_path),
+                     {})
+    check_config(compose_config(["algorithm=ppo", "trainer=fsdp"], tmp_path), {})
+    check_config(compose_config(["algorithm=ppo", "trainer=ddp", "roles.critic.shared_backbone=true"], tmp_path), {})
 
 
 class Roles(torch.nn.Module):

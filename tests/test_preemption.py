@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.checkpoints import checkpoint_step as library_checkpoint_step
 from posttrain.checkpoints import newest_intact_checkpoint, resolve_ckpt_path
 from posttrain.errors import CheckpointError
 from posttrain.preemption import AtomicCheckpointIO
@@ -28,8 +29,10 @@ RUN = ["logger=csv", "callbacks.progress_bar=none", "algorithm=grpo", "data_curr
        "callbacks.checkpoint.every_n_train_steps=4", f"trainer.max_steps={MAX_STEPS}", "num_threads=1"]
 
 
-def start(run_dir: Path, sft_start: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "posttrain.train", *RUN, f"model.init_from={sft_start}",
+def start(run_dir: Path, sft_start: Path, *extra: str,
+          launcher: tuple[str, ...] = (sys.executable,)) -> subprocess.Popen:
+    """`posttrain` with RUN's overrides, as one process or under `launcher` (test_distributed.TORCHRUN)."""
+    command = [*launcher, "-m", "posttrain.train", *RUN, f"model.init_from={sft_start}",
                f"hydra.run.dir={run_dir}", f"paths.log_dir={run_dir.parent}", *extra]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -89,7 +92,8 @@ def first_logged_step_after(checkpoint: Path) -> int:
     """The CSV `step` of the first batch a run resumed from `checkpoint` logs. Rows are logged
     at Lightning's count of batches, not at the optimiser step (a batch without a learning
     signal takes no step); the checkpoint is taken before that count moves on."""
-    loaded = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    sharded = checkpoint.is_dir()  # trainer=fsdp: a directory; its counters are in meta.pt
+    loaded = torch.load(checkpoint / "meta.pt" if sharded else checkpoint, map_location="cpu", weights_only=False)
     return loaded["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] + 1
 
 
@@ -117,6 +121,45 @@ def test_kill_9_mid_run_then_resume_logs_what_the_uninterrupted_run_logged(strai
     assert f"resuming from {resume_from}" in (run_dir / "train.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == MAX_STEPS
     assert_continues_exactly(run_dir, straight, from_step)
+
+
+# a job of 2 ranks: fewer steps (each costs two processes on this machine's cores), a checkpoint every 2
+TWO_RANK_STEPS = 8
+
+
+def kill_job(process: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every rank at once, as a node failure or `scancel -s KILL` would
+    (torchrun starts each rank in a session of its own: killing its process group is not enough)."""
+    for pid in [*descendants(process.pid), process.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp"])  # a checkpoint file; a directory of shards
+def test_kill_9_of_a_two_rank_job_then_resume_logs_what_the_uninterrupted_job_logged(trainer, sft_start, tmp_path):
+    from test_distributed import TORCHRUN
+
+    job = (f"trainer={trainer}", f"trainer.max_steps={TWO_RANK_STEPS}", "callbacks.checkpoint.every_n_train_steps=2")
+    code, output = finish(start(tmp_path / "straight", sft_start, *job, launcher=TORCHRUN), timeout=400)
+    assert code == 0, output[-3000:]
+    straight_job = logged(tmp_path / "straight")
+
+    run_dir = tmp_path / "run"
+    process = start(run_dir, sft_start, *job, launcher=TORCHRUN)
+    try:
+        wait_for(run_dir / "checkpoints" / "step000002.ckpt", process, timeout=300)
+    finally:
+        kill_job(process)
+    resume_from = newest_intact_checkpoint(run_dir / "checkpoints")
+    assert resume_from.is_dir() == (trainer == "fsdp")
+    assert library_checkpoint_step(resume_from) < TWO_RANK_STEPS, "killed too late: nothing left to resume"
+    from_step = first_logged_step_after(resume_from)
+    code, output = finish(start(run_dir, sft_start, *job, launcher=TORCHRUN), timeout=400)  # the requeued job
+    assert code == 0, output[-3000:]
+    assert f"resuming from {resume_from}" in (run_dir / "train.log").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == TWO_RANK_STEPS
+    assert_continues_exactly(run_dir, straight_job, from_step)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])

@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from posttrain.errors import CheckpointError
+from posttrain.sharding import is_distributed_checkpoint
 
 log = logging.getLogger("posttrain")
 
@@ -26,7 +27,7 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
             raise CheckpointError(f"ckpt_path=last: no intact checkpoint in {output_dir / 'checkpoints'}")
         return None if found is None else str(found)
     path = Path(ckpt_path).expanduser()
-    if not path.is_file() and not (path / "meta.pt").is_file():  # a file, or a sharded checkpoint's directory
+    if not path.is_file() and not is_distributed_checkpoint(path):  # a file, or a sharded checkpoint's directory
         raise CheckpointError(f"ckpt_path={ckpt_path!r}: no checkpoint file at {path}")
     return str(path)
 
@@ -95,3 +96,36 @@ def check_checkpoint_shapes(ckpt_path: str, stored: dict | None, module) -> None
                                   f"{describe(stored.get(key))} there and {describe(expected.get(key))} here. "
                                   f"Resume a run with the overrides it was started with: "
                                   f"`posttrain resume=<its run dir>`")
+
+
+# --- state that differs between ranks --------------------------------------------------------------
+# A checkpoint is one rank 0's dict (one file, or meta.pt beside the shards). What each rank holds
+# apart (its curriculum: dynamic sampling draws extra rounds per rank, so the ranks' data positions
+# drift apart) is stored for every rank under "<key>_by_rank", and each rank resumes its own.
+
+def with_every_rank(checkpoint: dict, key: str, state) -> None:
+    """Store this rank's `state` under `key` (rank 0's: what a run on another number of ranks
+    resumes) and every rank's under `<key>_by_rank`. A collective: every rank must call it, as
+    every rank builds the checkpoint dict (Lightning's dump_checkpoint) before rank 0 writes it."""
+    from posttrain.distributed import rank_and_world
+
+    world = rank_and_world()[1]
+    states = [state]
+    if world > 1:
+        import torch.distributed as dist
+
+        states = [None] * world
+        dist.all_gather_object(states, state)
+    checkpoint[key] = states[0]
+    checkpoint[f"{key}_by_rank"] = states
+
+
+def this_ranks(checkpoint: dict, key: str):
+    """This rank's state stored by `with_every_rank`; rank 0's when the checkpoint was written by
+    another number of ranks (the ranks' streams are interleaved by the world size: no exact
+    mapping exists) or before states were stored per rank."""
+    from posttrain.distributed import rank_and_world
+
+    rank, world = rank_and_world()
+    by_rank = checkpoint.get(f"{key}_by_rank")
+    return by_rank[rank] if by_rank is not None and len(by_rank) == world else checkpoint[key]

@@ -34,11 +34,14 @@ from posttrain.core.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from posttrain.core.policy_loss import POLICY_LOSSES, RATIO_LEVELS
 from posttrain.data.arithmetic import SPLITS, STYLES
 from posttrain.data.curriculum import CURRICULA
-from posttrain.data.sources import TRUNCATE_OPTIONS
+from posttrain.data.hub import REQUIRED_COLUMNS
+from posttrain.data.sources import SOURCES, TRUNCATE_OPTIONS
+from posttrain.data.templates import TEMPLATES
 from posttrain.errors import ConfigError
 from posttrain.models.loading import DTYPES
 from posttrain.rewards.composite import ON_ERROR_MODES
-from posttrain.rollout import ROLLOUT_ENGINES
+from posttrain.rollout import ALL_ROLLOUT_ENGINES
+from posttrain.rollout.vllm import SLEEP_LEVELS
 
 ONLINE_ONLY_GROUPS = ("advantage", "kl_estimator", "data_curriculum")
 # Advantages that compare the samples of one prompt's group with each other.
@@ -294,14 +297,21 @@ SPECS: dict[str, Spec] = {
     "algorithm.warm_start.batch_size": integer(1),
 
     # --- rollout ---
-    "rollout.engine": choice(*ROLLOUT_ENGINES),
+    "rollout.engine": choice(*ALL_ROLLOUT_ENGINES),
     "rollout.temperature": POSITIVE,
     "rollout.top_p": number(0, 1, low_open=True).about("1: off"),
     "rollout.top_k": integer(0).about("0: off"),
     "rollout.max_new_tokens": integer(1).about("generation budget in tokens"),
+    # rollout=vllm's engine settings (rollout/vllm.py)
+    "rollout.gpu_memory_utilization": number(0, 1, low_open=True).about("fraction of the GPU's memory for vLLM"),
+    "rollout.max_model_len": optional(integer(1)).about("prompt + response tokens; null: the model's context"),
+    "rollout.dtype": choice("auto", *DTYPES).about("vLLM's compute dtype; auto: the policy's"),
+    "rollout.enforce_eager": boolean().about("true: no CUDA graphs"),
+    "rollout.sleep_level": choice(*SLEEP_LEVELS).about("0: stay awake between rollouts; 1: weights to CPU; "
+                                                       "2: weights freed"),
 
     # --- data ---
-    "data.source": choice("arithmetic", "jsonl"),
+    "data.source": choice(*SOURCES),
     "data.min_digits": integer(1),
     "data.max_digits": integer(1),
     "data.num_operands": integer(2),
@@ -313,10 +323,23 @@ SPECS: dict[str, Spec] = {
     "data.files.train": text().about("a JSON-lines file"),
     "data.files.validation": optional(text()).about("a JSON-lines file"),
     "data.files.test": optional(text()).about("a JSON-lines file"),
+    "data.path": text().about("a hub dataset name, or a local directory or json/jsonl/parquet file"),
+    "data.config": optional(text()).about("the hub config, e.g. main"),
+    "data.splits.train": text().about("the dataset's split to train on"),
+    "data.splits.validation": optional(text()).about("null: hold out data.validation_size training examples"),
+    "data.splits.test": optional(text()).about("null: none"),
+    "data.validation_size": integer(0).about("training examples held out when there is no validation split"),
+    "data.validation_seed": SEED.about("which training examples are held out"),
+    "data.columns.prompt": text().about("the column holding the question"),
+    "data.columns.answer": optional(text()).about("the column holding the final answer"),
+    "data.columns.solution": optional(text()).about("the column holding the reference solution"),
+    "data.template": choice(*TEMPLATES).about("how a question is asked"),
+    "data.chat": boolean().about("true: prompts as chat messages, rendered with the model's chat template"),
+    "data.verify_timeout_s": POSITIVE.about("seconds per answer check; longer counts as wrong"),
 
     # --- model ---
     "model.name_or_path": optional(text()).about("a hub id or HF directory; null: the embedded tiny model"),
-    "model.init_from": optional(text()).about("a Lightning checkpoint or an HF directory"),
+    "model.init_from": optional(text()).about("a Lightning checkpoint (trainer=fsdp: a directory) or an HF directory"),
     "model.architecture": choice(*ARCHITECTURES),
     "model.hidden_size": integer(1),
     "model.num_layers": integer(1),
@@ -326,6 +349,14 @@ SPECS: dict[str, Spec] = {
     "model.max_position_embeddings": integer(1),
     "model.tie_word_embeddings": boolean(),
     "model.dtype": choice(*DTYPES),
+    "model.gradient_checkpointing": boolean().about("HF gradient checkpointing of the trainable policy"),
+    "model.allow_low_precision_weights": boolean().about("true: let AdamW step bfloat16/float16 weights"),
+    "model.lora.r": optional(integer(1)).about("LoRA rank; null: LoRA off"),
+    "model.lora.alpha": POSITIVE.about("LoRA scale alpha / r"),
+    "model.lora.dropout": BELOW_ONE.about("dropout on the adapter's input"),
+    "model.lora.target_modules": either(text(), list_of(text()),
+                                        expected="'all-linear' or a list of module names, e.g. [q_proj, v_proj]"),
+    "model.lora.export_merged": boolean().about("true: hf_model/ is the merged full model"),
 
     # --- kl_estimator ---
     "kl_estimator.name": choice("none", *KL_ESTIMATORS),
@@ -631,12 +662,33 @@ def digit_range_is_ordered(v: Values):
 
 @rule
 def eval_split_has_data(v: Values):
+    if v.get("data.source") in REQUIRED_COLUMNS:
+        yield from dataset_split_exists(v, v["eval.split"])
     if v.get("data.source") != "jsonl":
         return
     split = v["eval.split"]
     if v.get(f"data.files.{split}") is None:
         yield (f"eval.split={split} needs data.files.{split} (a JSON-lines file of held-out examples), which is "
                f"null; set it, or evaluate on a split that has a file with eval.split=...")
+
+
+def dataset_split_exists(v: Values, split: str) -> Iterator[str]:
+    if v.get(f"data.splits.{split}") is not None:
+        return
+    if split != "validation":
+        yield (f"eval.split={split} needs data.splits.{split} (the dataset's {split} split), which is null; set "
+               f"it, or evaluate on another split with eval.split=...")
+    elif v["data.validation_size"] == 0:
+        yield ("eval.split=validation needs data.splits.validation (the dataset's validation split) or "
+               "data.validation_size > 0 (training examples held out), but they are null and 0")
+
+
+@rule
+def dataset_columns_are_named(v: Values):
+    source = v.get("data.source")
+    for key in REQUIRED_COLUMNS.get(source, ()):
+        if v.get(f"data.columns.{key}") is None:
+            yield f"data.source={source} reads data.columns.{key}, which is null; name the column that holds it"
 
 
 @rule
@@ -677,12 +729,79 @@ def a_role_with_its_own_model_does_not_copy_the_policy(v: Values):
 
 
 @rule
+def a_sharded_policy_has_no_shared_critic(v: Values):
+    """The shared critic runs the policy's decoder and LM head outside the policy's forward,
+    where FSDP2 never gathers the policy's own (root) weights: see sharding.shard_module."""
+    if is_sharded_strategy(v) and v.get("algorithm.critic") is not None and v.get("roles.critic.shared_backbone"):
+        yield ("roles.critic.shared_backbone=true is not supported with trainer=fsdp (the value head reads the "
+               "policy's decoder outside the policy's forward, where FSDP2 gathers the embeddings, final norm and "
+               "LM head); use roles.critic.shared_backbone=false (the critic's own backbone), or trainer=ddp")
+
+
+@rule
 def a_pretrained_model_is_named(v: Values):
-    # model=hf inherits tiny's `name_or_path: null`, which its own `???` does not replace in
-    # Hydra's merge: without this the embedded tiny model would train instead, silently
+    # model=hf's name_or_path is null rather than `???`, so that this message, which names the
+    # fix, is the one the user sees
     if v.choices.get("model") == "hf" and v.get("model.name_or_path") is None:
         yield ("model=hf needs model.name_or_path (a hub id or a local Hugging Face model directory), e.g. "
                "model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct")
+
+
+# Half of the spacing between neighbouring values, relative to the value: AdamW's updates
+# smaller than this round away. Keyed by model.dtype and by the Lightning precisions that
+# cast the module's weights themselves.
+HALF_PRECISION_RESOLUTION = {"bfloat16": "0.4%", "float16": "0.05%", "bf16-true": "0.4%", "16-true": "0.05%"}
+
+
+def is_sharded_strategy(v: Values) -> bool:
+    """Whether the trainer shards the model (trainer=fsdp's strategy)."""
+    strategy = v.get("trainer.strategy")
+    return isinstance(strategy, dict) and str(strategy.get("_target_", "")).endswith("ShardedModelParallelStrategy")
+
+
+@rule
+def trainable_weights_are_not_half_precision(v: Values):
+    """AdamW on bf16 weights rounds away every update below half a bf16 ulp of the weight
+    (~0.4% of it): at RL learning rates (1e-6 x an O(1) Adam step) most updates vanish and
+    training silently stalls. fp32 master weights with bf16 autocast compute cost 2 extra
+    bytes per parameter and keep every update; trainer=fsdp upcasts trainable roles itself."""
+    if v.get("model.allow_low_precision_weights", False):
+        return
+    sharded = is_sharded_strategy(v)
+    dtype = v.get("model.dtype", "float32")
+    fix = ("keep model.dtype=float32 with trainer.precision=bf16-mixed (fp32 master weights, bf16 compute), or set "
+           "model.allow_low_precision_weights=true to accept it")
+    # a LoRA policy's half-precision base is frozen: AdamW steps only the adapter, which PEFT keeps in fp32
+    if dtype in HALF_PRECISION_RESOLUTION and not sharded and v.get("model.lora.r") is None:
+        yield (f"model.dtype={dtype!r} makes AdamW step {dtype} weights, which rounds away updates smaller than "
+               f"~{HALF_PRECISION_RESOLUTION[dtype]} of a weight (most updates at RL learning rates): training "
+               f"would silently stall; {fix}")
+    precision = v.get("trainer.precision")
+    if precision in HALF_PRECISION_RESOLUTION:
+        yield (f"trainer.precision={precision!r} casts the trainable weights to half precision, so AdamW rounds "
+               f"away updates smaller than ~{HALF_PRECISION_RESOLUTION[precision]} of a weight: training would "
+               f"silently stall; {fix}")
+
+
+# The embedded model's own settings (conf/model/tiny.yaml), which a pretrained model's
+# config.json replaces; model=hf and its presets inherit them unused.
+EMBEDDED_MODEL_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                       "max_position_embeddings", "tie_word_embeddings")
+
+
+@rule
+def a_pretrained_model_ignores_no_setting(v: Values):
+    """`model.hidden_size=64` next to a name_or_path would be ignored in silence: refuse it."""
+    if v.get("model.name_or_path") is None:
+        return
+    from posttrain.train import CONFIG_DIR
+
+    embedded = OmegaConf.load(f"{CONFIG_DIR}/model/tiny.yaml")
+    changed = [f"model.{key}={v.get(f'model.{key}')!r}" for key in EMBEDDED_MODEL_KEYS
+               if f"model.{key}" in v.values and v.get(f"model.{key}") != embedded.get(key)]
+    if changed:
+        yield (f"{', '.join(changed)} would be ignored: they shape the embedded model, and model.name_or_path="
+               f"{v['model.name_or_path']!r} brings its own architecture and size (its config.json); drop them")
 
 
 @rule
@@ -733,6 +852,29 @@ def several_devices_need_the_data_parallel_strategy(v: Values):
 
 
 @rule
+def lora_export_and_start_are_loadable(v: Values):
+    """An adapter alone is usable only beside its base on disk: a model directory (name_or_path,
+    an init_from directory, or the SFT warm start's export, which an online run starts from)."""
+    if v.get("model.lora.r") is None or v["model.lora.export_merged"]:
+        return
+    init_from, name_or_path = v.get("model.init_from"), v.get("model.name_or_path")
+    warm_start = v.get("algorithm.warm_start.steps", 0) if v.online() and not init_from else 0
+    if name_or_path is None and not warm_start and (init_from is None or str(init_from).endswith(".ckpt")):
+        base = "the embedded tiny model" if init_from is None else f"model.init_from={init_from!r} (a checkpoint)"
+        yield (f"model.lora.r={v['model.lora.r']} with model.lora.export_merged=false exports only the adapter, "
+               f"but its base, {base}, is not a Hugging Face model on disk to apply it to: set "
+               f"model.lora.export_merged=true, or start from an HF directory (model.init_from or model.name_or_path)")
+
+
+@rule
+def lora_is_not_sharded(v: Values):
+    if is_sharded_strategy(v) and v.get("model.lora.r") is not None:
+        yield (f"model.lora.r={v['model.lora.r']} is not supported with trainer=fsdp "
+               f"(trainer.strategy._target_={v['trainer.strategy']['_target_']}): FSDP2 sharding of a "
+               f"PEFT-wrapped policy is not built; use trainer=ddp or trainer=cpu with LoRA, or model.lora.r=null")
+
+
+@rule
 def online_rl_steps_its_own_optimiser(v: Values):
     accumulate = v.get("trainer.accumulate_grad_batches", 1)
     if v.online() and accumulate != 1:
@@ -754,6 +896,44 @@ def accelerator_is_present(v: Values):
 
         if not torch.backends.mps.is_available():
             yield "trainer.accelerator='mps' but MPS is not available on this machine; use trainer=cpu"
+
+
+@rule
+def vllm_rollout_can_run(v: Values):
+    """rollout=vllm runs one vLLM engine beside the policy, on the GPU of the one training
+    process, and reports log-probs in two conventions only (rollout/vllm.py)."""
+    if v.get("rollout.engine") != "vllm":
+        return
+    import importlib.util
+
+    import torch
+
+    missing = [what for what, present in (("a CUDA GPU", torch.cuda.is_available()),
+                                          ("the vllm package", importlib.util.find_spec("vllm") is not None))
+               if not present]
+    if missing:
+        yield (f"rollout=vllm needs a CUDA GPU and the vllm package (pip install 'posttrain[vllm]'); this machine "
+               f"lacks {' and '.join(missing)}: use rollout=fast")
+    if v.get("trainer.accelerator", "auto") == "cpu":
+        yield ("rollout=vllm generates on the GPU next to the policy, but trainer.accelerator='cpu' trains it on the "
+               "CPU: use trainer=default (accelerator auto) with rollout=vllm")
+    processes = (device_count(v.get("trainer.devices", 1)) or 1) * v.get("trainer.num_nodes", 1)
+    if processes > 1:
+        yield (f"rollout=vllm runs one engine inside a single training process, but trainer.devices x "
+               f"trainer.num_nodes = {processes} processes (trainer=ddp / fsdp) were asked for; use one device, or "
+               f"rollout=fast")
+    strategy = v.get("trainer.strategy", "auto")
+    if isinstance(strategy, dict) and str(strategy.get("_target_", "")).endswith("ShardedModelParallelStrategy"):
+        yield ("rollout=vllm copies the policy's whole weights into its engine, but trainer=fsdp shards them; use "
+               "trainer=default, or rollout=fast with trainer=fsdp")
+    if v.online() and v.get("algorithm.keep_sampling_mask"):
+        yield ("algorithm.keep_sampling_mask=true needs the sampler's kept top-k/top-p support, which rollout=vllm "
+               "does not report; use rollout=fast, or keep_sampling_mask=false")
+    if (v["rollout.top_k"] > 0 or v["rollout.top_p"] < 1.0) and v["rollout.temperature"] != 1.0:
+        yield (f"rollout=vllm with rollout.top_k={v['rollout.top_k']} / rollout.top_p={v['rollout.top_p']} needs "
+               f"rollout.temperature=1 (got {v['rollout.temperature']}): vLLM reports log-probs at temperature 1 or "
+               f"renormalised over the top-k/top-p support, not posttrain's log_softmax(logits / T) over the full "
+               f"vocabulary")
 
 
 def rule_problems(cfg: DictConfig, bad: set[str], choices: dict[str, str]) -> list[str]:
@@ -830,7 +1010,7 @@ def core_option_problems(cfg: DictConfig) -> list[str]:
         loss_options={key: setting(key) for key in LOSS_OPTION_KEYS},
         aggregation=dict(agg_mode=setting("loss_agg_mode"), count_empty_rows=setting("count_empty_rows"),
                          norm_constant=setting("norm_constant") or cfg.rollout.max_new_tokens),
-        reference=object() if uses_kl else None,
+        uses_reference=uses_kl,
         kl_name=kl["name"],
         kl_options={k: v for k, v in kl.items() if k not in KL_PLACEMENT_KEYS},
     )

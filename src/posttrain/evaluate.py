@@ -29,8 +29,8 @@ USAGE = "posttrain-eval checkpoint=<run dir | .ckpt file | Hugging Face model di
 
 @dataclass
 class Weights:
-    path: Path              # a Lightning checkpoint file or a Hugging Face model directory
-    is_hf_dir: bool
+    path: Path              # a Lightning checkpoint file, a Hugging Face model or LoRA adapter directory
+    is_hf_dir: bool         # a model or adapter directory (it carries its tokenizer)
     run_dir: Path | None    # the training run they came from (it has config.yaml), if any
 
 
@@ -38,8 +38,31 @@ def is_run_dir(path: Path) -> bool:
     return (path / "config.yaml").is_file()
 
 
+def is_adapter_dir(path: Path) -> bool:
+    from posttrain.models.lora import ADAPTER_CONFIG
+
+    return (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
+
+
 def is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file()
+    return (path / "config.json").is_file() or is_adapter_dir(path)
+
+
+def load_from_adapter(model_cfg: DictConfig, directory: Path) -> None:
+    """Evaluate a LoRA adapter export: its base (recorded by PEFT in adapter_config.json) under
+    an adapter of the recorded shape, the export's weights loaded onto it."""
+    import json
+
+    from posttrain.models.lora import ADAPTER_CONFIG
+
+    adapter = json.loads((directory / ADAPTER_CONFIG).read_text())
+    if not adapter.get("base_model_name_or_path"):
+        raise CheckpointError(f"{directory} is a LoRA adapter without a recorded base model "
+                              f"(base_model_name_or_path in {ADAPTER_CONFIG}): evaluate a merged export instead")
+    model_cfg.name_or_path, model_cfg.init_from = adapter["base_model_name_or_path"], str(directory)
+    model_cfg.lora.r, model_cfg.lora.alpha = adapter["r"], adapter["lora_alpha"]
+    targets = adapter["target_modules"]
+    model_cfg.lora.target_modules = sorted(targets) if isinstance(targets, (list, set)) else targets
 
 
 def find_weights(checkpoint: str | None) -> Weights:
@@ -147,8 +170,12 @@ def evaluate(cfg: DictConfig) -> dict:
     if weights.run_dir is not None:
         take_run_settings(cfg, weights.run_dir / "config.yaml")
     with open_dict(cfg):
-        if weights.is_hf_dir:  # the export carries its own tokenizer and architecture
+        if weights.is_hf_dir and is_adapter_dir(weights.path):
+            load_from_adapter(cfg.model, weights.path)
+        elif weights.is_hf_dir:  # the export carries its own tokenizer and architecture
             cfg.model.name_or_path, cfg.model.init_from = str(weights.path), None
+            if cfg.model.get("lora") is not None:
+                cfg.model.lora.r = None  # a merged export: no adapter on top
         else:  # the run's architecture (and tokenizer), the checkpoint's policy weights
             cfg.model.init_from = str(weights.path)
     OmegaConf.resolve(cfg)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from posttrain.errors import ConfigError
+from posttrain.errors import CheckpointError, ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FROZEN_ROLE_MODES = ("shard", "replicate_bf16")
@@ -94,7 +95,7 @@ class PosttrainModelParallelStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         path = Path(self.broadcast(checkpoint_path))
-        if path.is_dir() and (path / METADATA_FILENAME).is_file():
+        if is_distributed_checkpoint(path):
             return load_distributed_checkpoint(path, self.model, self.optimizers, skip=frozen_prefixes(self.model))
         if is_sharded(self.model):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -121,6 +122,36 @@ class ShardedModelParallelStrategy(PosttrainModelParallelStrategy):
         super().__init__(**kwargs)
         self.sharding = ShardingPolicy(reshard_after_forward, param_dtype, reduce_dtype, activation_checkpointing,
                                        frozen_roles)
+
+
+def is_distributed_checkpoint(path: Path) -> bool:
+    """A finished distributed checkpoint (trainer=fsdp): a directory with rank 0's meta.pt,
+    which Lightning writes after every rank's shards."""
+    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+def policy_weights_from_distributed_checkpoint(path: Path, key: str) -> dict[str, torch.Tensor]:
+    """The policy's whole weights (`policy.*`, prefix removed) from a distributed checkpoint
+    directory, read in one process with no process group (`dcp.load(no_dist=True)` assembles
+    each tensor from every rank's shards), so `model.init_from` can start a run of any
+    parallelism from an FSDP run's checkpoint. `key` names the setting in errors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = "state_dict.policy."  # how DCP flattens {"state_dict": {"policy.<name>": ...}}
+    try:
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as err:  # noqa: BLE001 - any unreadable directory is the user's culprit
+        raise CheckpointError(f"{key}={str(path)!r} is not a readable distributed checkpoint: {err}") from None
+    weights = {name[len(prefix):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+               for name, meta in stored.items() if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not weights:
+        raise CheckpointError(f"{key}={str(path)!r} is a distributed checkpoint without 'policy.*' weights")
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"state_dict": {f"policy.{name}": tensor for name, tensor in weights.items()}}, checkpoint_id=path,
+                 no_dist=True)
+    return weights
 
 
 def frozen_prefixes(module) -> tuple[str, ...]:
@@ -231,18 +262,26 @@ def enable_activation_checkpointing(lm: nn.Module) -> None:
 def full_weights(model: nn.Module):
     """Inside, every parameter of `model` is whole on every rank (one all-gather per FSDP
     unit, in the compute dtype), so generation runs many forwards with no collective; the
-    shards are restored on exit. A no-op for an unsharded model."""
+    shards are restored on exit. A no-op for an unsharded model, and inside an outer
+    `full_weights` of the same model: a stage whose number of generate calls differs between
+    ranks (dynamic sampling's extra rounds) gathers once around all of them, since a gather
+    per call would be a collective that some ranks never join."""
     from torch.distributed.fsdp import FSDPModule
 
+    if getattr(model, "posttrain_gathered", False):
+        yield model
+        return
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.unshard()
         # a forward inside (the generic HF loop) must not free the weights again: each
         # re-gather would be a collective that ranks stopping at other lengths never join
         unit.set_reshard_after_forward(False, recurse=False)
+    model.posttrain_gathered = True
     try:
         yield model
     finally:
+        model.posttrain_gathered = False
         for unit in units:
             unit.reshard()
             unit.set_reshard_after_forward(getattr(unit, "posttrain_reshard_after_forward", True), recurse=False)

@@ -94,9 +94,11 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     from posttrain.data.datamodule import PosttrainDataModule
     from posttrain.data.sources import build_source
     from posttrain.models.loading import load_tokenizer_and_model
+    from posttrain.models.memory import check_memory_fits
     from posttrain.sharding import consolidated_model
     from posttrain.tracking import build_logger, finish_logger, run_name, wandb_mode
-    from posttrain.utils import save_pretrained_atomic, write_json_atomic
+    from posttrain.models.lora import export_model
+    from posttrain.utils import write_json_atomic
     from posttrain.warm_start import warm_start
 
     for pattern in EXPECTED_WARNINGS:
@@ -105,6 +107,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     OmegaConf.resolve(cfg)  # groups are handed to modules on their own: no dangling interpolations
     choices = hydra_choices()
     check_config(cfg, choices)
+    check_memory_fits(cfg)  # sizes from config.json alone: a model too large fails before any weights load
     output_dir = Path(cfg.paths.output_dir)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir)
     stored_shapes = check_checkpoint_algorithm(ckpt_path, cfg) if ckpt_path is not None else None
@@ -155,7 +158,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
                        choices=choices, run_dir=str(output_dir), warm_start=start_dir)
         export = consolidated_model(module.policy)  # every rank gathers a sharded policy; rank 0 gets it whole
         if trainer.is_global_zero:
-            save_pretrained_atomic(export, tokenizer, output_dir / "hf_model")
+            export_model(export, tokenizer, output_dir / "hf_model", cfg.model)  # with LoRA: the adapter (or merged)
             write_json_atomic(output_dir / "summary.json", summary)
             print_before_after(summary)
             if cfg.logger.backend == "wandb" and wandb_mode(cfg) == "offline":

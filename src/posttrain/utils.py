@@ -54,13 +54,16 @@ def write_json_atomic(path: Path, data: dict) -> None:
         raise
 
 
-def save_pretrained_atomic(model, tokenizer, directory: Path) -> None:
-    """Hugging Face export (model + tokenizer) through a temporary directory and a rename."""
+def save_pretrained_atomic(model, tokenizer, directory: Path, subdirectories: dict | None = None) -> None:
+    """Hugging Face export (model + tokenizer) through a temporary directory and a rename;
+    `subdirectories`: further models saved inside it by name (a LoRA adapter beside its merged model)."""
     tmp = directory.with_name(f".{directory.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name, part in (subdirectories or {}).items():
+            part.save_pretrained(tmp / name)
         # transformers writes model.safetensors through a private (0600) temporary file: give
         # every file the mode a new file normally gets here, so the group can read the export
         mode = _new_file_mode(tmp)

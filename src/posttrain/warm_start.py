@@ -7,7 +7,12 @@ lock and then read the cache. The lock is `fcntl.flock`: the kernel releases it 
 holder dies, so a crashed or killed job never blocks the others (they take the lock and
 train it themselves). It works across the nodes of a cluster where the shared file system
 supports locks (NFS with lockd, the usual case; Lustre mounted with `-o flock`, not
-`localflock`); on one without, the job stops with an error naming paths.cache_dir."""
+`localflock`); on one without, the job stops with an error naming paths.cache_dir.
+
+In a multi-process job (torchrun, a SLURM job with a task per device) only global rank 0
+takes part in this: it trains the warm start in its own process, before the job's process
+group exists (its trainer has one device and no strategy, so it joins nothing), while the
+other ranks wait for the cache entry, then every rank loads it."""
 
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from posttrain.errors import ConfigError
+from posttrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("posttrain")
 
@@ -44,12 +49,12 @@ def warm_start(cfg: DictConfig) -> str | None:
     sft_cfg, target = plan
     if (target / "hf_model").is_dir():
         return str(target / "hf_model")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # the ranks of one job cannot wait for each other before the process group exists, and
-        # one rank training alone would stall the others' collectives: build it once first
-        raise ConfigError(f"the SFT warm start of this config is not cached yet ({target}); build it once in a "
-                          f"single process (the same command without torchrun, with trainer=cpu "
-                          f"trainer.max_steps=1), or start from weights with model.init_from=<dir>")
+    rank, world = job_rank_and_size()
+    if rank != 0:
+        # a rank of a multi-process job (torchrun, a SLURM job's task): its rank 0 trains the
+        # warm start, alone, before any process group exists; the others wait for the entry
+        wait_for_rank_zero(target, rank, world)
+        return str(target / "hf_model")
     with cache_lock(target) as lock_path:
         if (target / "hf_model").is_dir():  # another job of the sweep trained it while this one waited
             log.info(f"Warm start: trained by another job, read from {target}")
@@ -59,6 +64,62 @@ def warm_start(cfg: DictConfig) -> str | None:
         # locks the old file after us, or a new one after the unlink, finds it and trains nothing.
         lock_path.unlink(missing_ok=True)
     return str(target / "hf_model")
+
+
+# Environment variables that give a process its global rank and the job's number of processes:
+# torchrun (and Lightning's own launcher), a SLURM job's tasks, submitit's local executor.
+RANK_VARIABLES = (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"),
+                  ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_NTASKS"))
+# How long the other ranks of a job wait for their rank 0 to take the warm start's lock (or find
+# another job holding it) before they conclude that it failed: rank 0 takes it within seconds
+# of starting; without a limit they would wait for the job's time limit.
+RANK_ZERO_START_S = 300.0
+POLL_S = 1.0
+
+
+def job_rank_and_size() -> tuple[int, int]:
+    """(global rank, number of processes) of this process's job, from its launcher's
+    environment; (0, 1) outside a multi-process job. Read before any process group exists."""
+    for rank_name, size_name in RANK_VARIABLES:
+        if rank_name in os.environ and size_name in os.environ:
+            return int(os.environ[rank_name]), int(os.environ[size_name])
+    return 0, 1
+
+
+def wait_for_rank_zero(target: Path, rank: int, world: int) -> None:
+    """Wait until the cache holds `target` (rank 0 of this job trains it, or another job of the
+    sweep does: rank 0 then waits on the lock). Stops with an error when nobody has held the
+    lock, and the entry is still missing, for RANK_ZERO_START_S: rank 0 failed or was killed."""
+    import time
+
+    log.info(f"Warm start: rank {rank} of {world} waits for rank 0 to train it ({target})")
+    lock_path = target.with_name(f"{target.name}.lock")
+    free_since = time.monotonic()
+    while not (target / "hf_model").is_dir():
+        if lock_is_held(lock_path):
+            free_since = time.monotonic()
+        elif time.monotonic() - free_since > RANK_ZERO_START_S:
+            raise CheckpointError(f"the SFT warm start {target} was not trained: rank 0 of this job has not held "
+                                  f"its lock ({lock_path}) for {RANK_ZERO_START_S:.0f} s; see rank 0's error")
+        time.sleep(POLL_S)
+
+
+def lock_is_held(lock_path: Path) -> bool:
+    """Whether a process holds the flock of `lock_path` now. The file is only opened (never
+    created: the cache keeps entries only), and a free lock is released at once."""
+    try:
+        descriptor = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(descriptor, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(descriptor)
 
 
 @contextlib.contextmanager
@@ -123,6 +184,10 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
         return None
     if cfg.model.init_from:
         return None  # (a resumed run finds its warm start in the cache: its frozen roles start there)
+    if cfg.model.name_or_path:
+        # a pretrained policy starts from its own weights: the warm start's settings (3000
+        # steps at lr 3e-3) are the embedded model's, and would wreck an instruct model
+        return None
     target_accuracy = settings.get("until_accuracy")
     if target_accuracy is not None and not 0.0 < target_accuracy <= 1.0:
         raise ConfigError(f"algorithm.warm_start.until_accuracy={target_accuracy} must lie in (0, 1]")
@@ -133,6 +198,10 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     sft_cfg = cfg.copy()
     with open_dict(sft_cfg):
         sft_cfg.algorithm = sft
+        if sft_cfg.model.get("lora") is not None:
+            # every weight trains in the warm start: it is the starting point (the base of a LoRA
+            # run), the same with or without an adapter, and one cache entry serves both
+            sft_cfg.model.lora.r = None
         # the warm start's own seed (data order, init) so a seed sweep shares one start
         sft_cfg.seed = cfg.seed if settings.get("seed") is None else settings.seed
         if "seed" in sft_cfg.data:
@@ -141,6 +210,7 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
             sft_cfg[group] = {"name": "none"}
         # one process trains it, whatever the RL run's parallelism: trainer=ddp shares trainer=cpu's
         sft_cfg.trainer.devices = 1
+        sft_cfg.trainer.pop("num_nodes", None)  # more than one node would make Lightning join the job's ranks
         sft_cfg.trainer.pop("strategy", None)
         sft_cfg.trainer.max_steps = settings.steps
         # a sweep's budget in rollout batches (sweeps/: one epoch of limit_train_batches) is
@@ -160,6 +230,7 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     identity_cfg.stop_at_accuracy = target_accuracy
     identity_cfg.code = code_version()
     identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
+    identity_cfg.model.pop("lora", None)  # off in the warm start, whatever the RL run's adapter
     identity = OmegaConf.to_yaml(identity_cfg)
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return sft_cfg, Path(cfg.paths.cache_dir) / "warm_start" / key

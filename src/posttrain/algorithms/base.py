@@ -15,7 +15,7 @@ import torch
 from posttrain.core import pass_at_k
 from posttrain.distributed import all_reduce_sum, rank_and_world
 from posttrain.errors import ConfigError
-from posttrain.rollout import SamplingParams, build_rollout
+from posttrain.rollout import SamplingParams, build_rollout, engine_options
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -92,7 +92,7 @@ class PosttrainModule(L.LightningModule):
         self.source = source
         self.optim = optim
         self.rollout_cfg = rollout
-        self.engine = build_rollout(rollout.engine)
+        self.engine = build_rollout(rollout.engine, **engine_options(rollout))
         self.eval_max_new_tokens = eval_max_new_tokens
         self.train_batches_seen = 0  # restored on resume: the data stream restarts here
         self.evaluated_at_step = -1  # global step of the last held-out evaluation
@@ -138,12 +138,29 @@ class PosttrainModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.train_batches_seen = checkpoint["train_batches_seen"]
+        self.policy_updated()  # the checkpoint's weights replace the policy's
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        # automatic optimisation (SFT) steps the policy here; online RL in its own optimiser_step
+        super().optimizer_step(*args, **kwargs)
+        self.policy_updated()
+
+    def policy_updated(self) -> None:
+        """The hook after every change of the policy's weights: an engine that holds its own
+        copy of them (rollout=vllm) reloads it before its next generation; the engines that
+        read the policy directly have nothing to do."""
+        notify = getattr(self.engine, "policy_updated", None)
+        if notify is not None:
+            notify()
 
     # --- generation and held-out evaluation ---------------------------------------------------
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams, generator=None):
+        from posttrain.models.loading import stop_token_ids
+
         return self.engine.generate(
             self.policy, prompt_ids, prompt_mask, params,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            # every EOS of the model (chat models have several), not only the tokenizer's
+            eos_token_id=stop_token_ids(self.tokenizer, self.policy), pad_token_id=self.tokenizer.pad_token_id,
             generator=generator,
         )
 

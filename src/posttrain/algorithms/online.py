@@ -37,14 +37,16 @@ from posttrain import core
 from posttrain.algorithms.base import PosttrainModule, decode_responses
 from posttrain.algorithms.experience import Experience, sequence_hidden_states, sequence_logits
 from posttrain.algorithms.terms import EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
+from posttrain.checkpoints import this_ranks, with_every_rank
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
 from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.errors import ConfigError, RewardError
+from posttrain.models.lora import reference_is_the_base, reference_model
 from posttrain.models.roles import ValueModel, build_role
 from posttrain.rewards import ScoredSample, build_reward
 from posttrain.rollout import SamplingParams
-from posttrain.sharding import full_state_dict
+from posttrain.sharding import full_state_dict, full_weights
 
 # Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
 KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")
@@ -121,7 +123,10 @@ class OnlineRLModule(PosttrainModule):
                            {"init_beta": kl_estimator.coef, "target_kl": kl_estimator.target,
                             "horizon": kl_estimator.horizon})) if uses_kl else None
         self.kl_in_reward = uses_kl and self.kl_placement == "in_reward"
-        self.reference = build_role("reference", roles.reference, policy) if uses_kl else None
+        # a LoRA policy's reference is its own base (the adapter switched off), not a copy
+        self.uses_reference = uses_kl
+        self.reference = (build_role("reference", roles.reference, policy)
+                          if uses_kl and not reference_is_the_base(policy, roles.reference) else None)
 
         # --- critic (PPO): its own backbone by default, or a value head on the policy's ---
         self.critic_cfg = critic
@@ -135,7 +140,7 @@ class OnlineRLModule(PosttrainModule):
         # --- the loss terms of the update stage ---
         self.policy_term = PolicyTerm(policy_loss, self.loss_options, offpolicy_mask_delta)
         self.terms = [self.policy_term, EntropyTerm(entropy_coef)]
-        if self.reference is not None:
+        if self.uses_reference:
             self.terms.append(KLTerm(self.kl_name, self.kl_options, self.kl_controller,
                                      as_loss=self.kl_placement == "as_loss"))
         self.value_term = ValueTerm(critic.value_clip, critic.vf_coef) if critic is not None else None
@@ -148,8 +153,8 @@ class OnlineRLModule(PosttrainModule):
         self.scorers = []
         if not self.on_policy or self.kl_in_reward:
             self.scorers.append(("old_logp", lambda exp: self.token_logprobs(self.policy, exp)[0]))
-        if self.reference is not None:
-            self.scorers.append(("ref_logp", lambda exp: self.token_logprobs(self.reference, exp)[0]))
+        if self.uses_reference:
+            self.scorers.append(("ref_logp", self.reference_logprobs))
         if self.critic is not None:
             self.scorers.append(("values", lambda exp: self.critic(exp.prompt_ids, exp.prompt_mask,
                                                                  exp.response_ids, exp.response_mask)))
@@ -188,7 +193,7 @@ class OnlineRLModule(PosttrainModule):
         prefixes = tuple(f"{role}." for role in self.frozen_roles())
         if prefixes:
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(prefixes)}
-        checkpoint["curriculum"] = self.curriculum.state_dict()
+        with_every_rank(checkpoint, "curriculum", self.curriculum.state_dict())  # the ranks' positions differ
         checkpoint["ptx_position"] = self.ptx_cursor.position if self.ptx_cursor is not None else 0
         checkpoint["nonfinite_steps"] = self.nonfinite_steps
         if self.kl_controller is not None:
@@ -198,7 +203,7 @@ class OnlineRLModule(PosttrainModule):
         super().on_load_checkpoint(checkpoint)
         for role in self.frozen_roles():
             checkpoint["state_dict"].update({f"{role}.{k}": v for k, v in getattr(self, role).state_dict().items()})
-        self.curriculum.load_state_dict(checkpoint["curriculum"])
+        self.curriculum.load_state_dict(this_ranks(checkpoint, "curriculum"))
         if self.ptx_cursor is not None:
             self.ptx_cursor.position = checkpoint.get("ptx_position", 0)
         self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)
@@ -229,7 +234,8 @@ class OnlineRLModule(PosttrainModule):
             timings[f"perf/{stage}_s"] = time.perf_counter() - started
             return out
 
-        exp, metrics, has_signal = timed("collect", self.collect, step)
+        with full_weights(self.policy):  # FSDP: one gather for all rounds (ranks may sample different numbers)
+            exp, metrics, has_signal = timed("collect", self.collect, step)
         exp = timed("annotate", self.annotate, exp.without_trailing_padding())
         exp, advantage_metrics = timed("advantages", self.compute_advantages, exp)
         stats = timed("update", self.update, exp, has_signal)
@@ -451,6 +457,12 @@ class OnlineRLModule(PosttrainModule):
         logits = sequence_logits(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
         return self.logprobs_from(logits, exp, with_entropy=False)
 
+    def reference_logprobs(self, exp: Experience) -> torch.Tensor:
+        """log pi_ref of the response tokens: the frozen reference's, or a LoRA policy's with its
+        adapter switched off (models.lora.reference_model)."""
+        with reference_model(self.policy, self.reference) as model:
+            return self.token_logprobs(model, exp)[0]
+
     def logprobs_from(self, logits, exp: Experience, with_entropy: bool, entropy_grad: bool = True):
         """Per-token log-probs (and entropy) at the sampling temperature, computed in fp32 chunk
         by chunk; over the sampler's kept top-k/top-p support when keep_sampling_mask (V3.2)."""
@@ -482,6 +494,7 @@ class OnlineRLModule(PosttrainModule):
         if count_step:
             optimizer.step()
             schedules[0].step()
+            self.policy_updated()
         else:
             optimizer.optimizer.step()  # the raw optimiser: not one of Lightning's global steps
             schedules[1].step()
@@ -552,7 +565,7 @@ def check_core_options(module: OnlineRLModule) -> None:
                                  **module.aggregation)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"algorithm.policy_loss={module.policy_loss}: {err}") from None
-    if module.reference is not None:
+    if module.uses_reference:
         try:
             core.kl_penalty(module.kl_name, ones, ones, ones, **module.kl_options)
         except (ValueError, TypeError) as err:

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from posttrain.data.sources import Example, PromptLimits
+from posttrain.data.templates import render_chat
 from posttrain.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,17 @@ class StepTickets(IterableDataset):
             step += 1
 
 
+def prompt_text(example: Example, tokenizer) -> str:
+    """The prompt as text the model continues: a chat rendered with the tokenizer's chat
+    template (which writes its own special tokens), else the prompt itself."""
+    return example.prompt if example.messages is None else render_chat(example.messages, tokenizer)
+
+
 def prompt_token_ids(example: Example, tokenizer) -> list[int]:
     """The prompt as the model sees it: its truncated ids if it was cut to fit, else its tokens."""
     if example.prompt_ids is not None:
         return list(example.prompt_ids)
-    return tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt_text(example, tokenizer), add_special_tokens=False)["input_ids"]
 
 
 def collate_sft(examples: list[Example], tokenizer) -> dict:
@@ -167,7 +174,7 @@ def fit_prompts(source, tokenizer, splits: dict[str, int], sft_rows: bool = Fals
         examples = [source.example(split, i) for i in range(count if endless else size)]
         if not examples:
             continue
-        ids = tokenizer([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
+        ids = tokenizer([prompt_text(e, tokenizer) for e in examples], add_special_tokens=False)["input_ids"]
         over = [i for i, row in enumerate(ids) if len(row) > limit]
         if over and (limits.truncate is None or endless):
             raise DataError(_overlong_message(source, split, examples, ids, over, limit, reason, endless))

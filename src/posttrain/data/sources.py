@@ -1,16 +1,19 @@
 """Task sources: where prompts, reference responses and answer checks come from.
 
-A source hands out `Example`s by (split, index) and judges generated responses. Two kinds:
-`arithmetic` (generated, endless, verifiable) and `jsonl` (your files).
+A source hands out `Example`s by (split, index) and judges generated responses. Kinds:
+`arithmetic` (generated, endless, verifiable), `jsonl` (your files), and the datasets-backed
+`gsm8k`, `math` and `prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.data import arithmetic
+from posttrain.data.templates import check_messages, last_user_content
 from posttrain.errors import ConfigError, DataError
 
 
@@ -22,6 +25,9 @@ class Example:
     # The prompt's token ids when they are not simply the tokenised `prompt`: set only for a
     # prompt cut to fit the model (data.truncate_prompts). Verifiers keep reading `prompt`.
     prompt_ids: list[int] | None = None
+    # A chat prompt ([system], user, ...): rendered with the tokenizer's chat template where
+    # token ids are made (datamodule.prompt_text); `prompt` then holds the question as text.
+    messages: list[dict] | None = None
 
 
 TRUNCATE_OPTIONS = ("left",)  # left: keep a prompt's last tokens (the question usually ends it)
@@ -76,17 +82,53 @@ class ArithmeticSource:
         return arithmetic.matches_style(response, self.style)
 
 
-class JsonlSource:
+class ListSource:
+    """A finite source: examples held per split, each with where it came from."""
+
+    def __init__(self):
+        self.examples: dict[str, list[Example]] = {}
+        self.origins: dict[str, list[str]] = {}  # where each example was read, for later errors
+        self.prompt_limits = PromptLimits()
+
+    @functools.cached_property
+    def alphabet(self) -> str:
+        """Every character of the examples (the embedded tiny model's vocabulary)."""
+        texts = (text for examples in self.examples.values() for e in examples
+                 for text in (e.prompt, e.response, e.answer or "", *(m["content"] for m in e.messages or ())))
+        return "".join(sorted(set().union(*map(set, texts))))
+
+    def size(self, split: str) -> int | None:
+        return len(self._split(split))
+
+    def origin(self, split: str, index: int) -> str | None:
+        """Where example ``index`` of ``split`` was read, e.g. ``file:line (data.files.<split>)``."""
+        self._split(split)
+        return self.origins[split][index]
+
+    def missing_split(self, split: str) -> str:
+        """Why ``split`` has no examples, and which key gives it some."""
+        raise NotImplementedError
+
+    def _split(self, split: str) -> list[Example]:
+        if split not in self.examples:
+            raise ConfigError(self.missing_split(split))
+        return self.examples[split]
+
+    def example(self, split: str, index: int) -> Example:
+        return self._split(split)[index]
+
+
+class JsonlSource(ListSource):
     """Examples read from JSON-lines files, one object per line.
 
-    Required string fields: ``prompt`` and ``response``; optional ``answer``. A
-    response is judged correct when its text after the last ``>`` (or all of it)
-    equals the answer, whitespace stripped.
+    Required fields: ``prompt`` (a string, or a chat: a list of {role, content} messages,
+    rendered with the tokenizer's chat template) and ``response`` (a string); optional
+    ``answer``. A response is judged correct when its text after the last ``>`` (or all of
+    it) equals the answer, whitespace stripped.
     """
 
     def __init__(self, files: dict[str, str | None]):
-        self.examples: dict[str, list[Example]] = {}
-        self.origins: dict[str, list[str]] = {}  # "file:line (key)" of each example, for later errors
+        super().__init__()
         for split in arithmetic.SPLITS:
             path = files.get(split)
             if path is not None:
@@ -96,24 +138,9 @@ class JsonlSource:
                 self.origins[split] = [f"{path}:{line} ({key})" for line in lines]
         if "train" not in self.examples:
             raise ConfigError("data.files.train must name a JSON-lines file")
-        text = "".join(e.prompt + e.response + (e.answer or "") for ex in self.examples.values() for e in ex)
-        self.alphabet = "".join(sorted(set(text)))
-        self.prompt_limits = PromptLimits()
 
-    def size(self, split: str) -> int | None:
-        return len(self._split(split))
-
-    def origin(self, split: str, index: int) -> str | None:
-        """Where example ``index`` of ``split`` was read: ``file:line (data.files.<split>)``."""
-        return self.origins[split][index]
-
-    def _split(self, split: str) -> list[Example]:
-        if split not in self.examples:
-            raise ConfigError(f"data.files.{split} is not set, but this run needs the {split} split")
-        return self.examples[split]
-
-    def example(self, split: str, index: int) -> Example:
-        return self._split(split)[index]
+    def missing_split(self, split: str) -> str:
+        return f"data.files.{split} is not set, but this run needs the {split} split"
 
     def is_correct(self, example: Example, response: str) -> bool:
         if example.answer is None:
@@ -162,13 +189,18 @@ def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = N
                 raise DataError(f"{where} is not valid JSON: {err.msg} at column {err.colno}") from None
             if not isinstance(record, dict):
                 raise DataError(f"{where} must be a JSON object with 'prompt' and 'response', got {type(record).__name__}")
+            messages = None
+            if isinstance(record.get("prompt"), list):  # a chat: rendered with the model's chat template
+                messages = check_messages(record["prompt"], where)
+                record["prompt"] = last_user_content(messages)
             for field in ("prompt", "response"):
                 if not isinstance(record.get(field), str):
                     raise DataError(f"{where} needs a string field {field!r}; found keys {sorted(record)}")
             answer = record.get("answer")
             if answer is not None and not isinstance(answer, (str, int)):
                 raise DataError(f"{where}: 'answer' must be a string or integer")
-            examples.append(Example(record["prompt"], record["response"], None if answer is None else str(answer)))
+            examples.append(Example(record["prompt"], record["response"], None if answer is None else str(answer),
+                                    messages=messages))
             if line_numbers is not None:
                 line_numbers.append(line_number)
     if not examples:
@@ -176,7 +208,10 @@ def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = N
     return examples
 
 
-def build_source(data_cfg) -> ArithmeticSource | JsonlSource:
+SOURCES = ("arithmetic", "jsonl", "gsm8k", "math", "prompt_answer")
+
+
+def build_source(data_cfg) -> ArithmeticSource | ListSource:
     """The task source named by ``data.source``, with its prompt-length limits (checked
     against the tokenizer and the model's context by the datamodule)."""
     limits = prompt_limits(data_cfg)
@@ -186,8 +221,12 @@ def build_source(data_cfg) -> ArithmeticSource | JsonlSource:
         )
     elif data_cfg.source == "jsonl":
         source = JsonlSource(dict(data_cfg.files))
+    elif data_cfg.source in SOURCES:
+        from posttrain.data.hub import build_hub_source  # imports `datasets`: only when used
+
+        source = build_hub_source(data_cfg)
     else:
-        raise ConfigError(f"data.source={data_cfg.source!r} is not one of ['arithmetic', 'jsonl']")
+        raise ConfigError(f"data.source={data_cfg.source!r} is not one of {list(SOURCES)}")
     source.prompt_limits = limits
     return source
 

@@ -44,7 +44,9 @@ def _resolve_pretrained(name: str, key: str) -> str:
 
 
 def load_tokenizer_and_model(model_cfg, alphabet: str):
-    """(tokenizer, policy) for the run: the embedded tiny model or a pretrained one."""
+    """(tokenizer, policy) for the run: the embedded tiny model or a pretrained one, with its
+    stop tokens recorded in its generation config (`stop_token_ids`) and, when
+    `model.gradient_checkpointing` is set, Hugging Face gradient checkpointing on."""
     if model_cfg.dtype not in DTYPES:
         raise ConfigError(f"model.dtype={model_cfg.dtype!r} is not one of {sorted(DTYPES)}")
     dtype = DTYPES[model_cfg.dtype]
@@ -65,10 +67,46 @@ def load_tokenizer_and_model(model_cfg, alphabet: str):
         ).to(dtype)
     else:
         tokenizer, model = load_pretrained(model_cfg.name_or_path, "model.name_or_path", dtype)
-    if model_cfg.get("init_from"):
-        load_initial_weights(model, model_cfg.init_from)
+    from posttrain.models.lora import apply_lora, holds_adapter_weights, load_adapter_weights
+
+    init_from = model_cfg.get("init_from")
+    adapter_weights = bool(init_from) and holds_adapter_weights(init_from)  # they load onto the adapter, below
+    if init_from and not adapter_weights:
+        load_initial_weights(model, init_from)
     disable_dropout(model)
+    # Computed once here and kept on the model: roles copied from the policy, the warm start's
+    # export (save_pretrained writes generation_config.json) and engines reading the model's
+    # generation config (transformers, vLLM) all stop on the same ids.
+    model.generation_config.eos_token_id = stop_token_ids(tokenizer, model)
+    if model_cfg.get("gradient_checkpointing", False):  # .get: configs saved before the key existed
+        from posttrain.sharding import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)  # non-reentrant; recomputes each decoder block in backward
+    model = apply_lora(model, model_cfg)  # model.lora: an adapter on the loaded, dropout-free base
+    if adapter_weights:
+        load_adapter_weights(model, init_from)
     return tokenizer, model
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Every token id that ends a response: the tokenizer's EOS, then each EOS id of the
+    model's generation config (falling back to its config), without repeats.
+
+    Chat models end a turn with a token other than the base model's end of text, and list
+    both: Qwen2.5-Instruct [<|im_end|>, <|endoftext|>], Llama-3.2-Instruct [<|end_of_text|>,
+    <|eom_id|>, <|eot_id|>]. Stopping only at the tokenizer's EOS would run past the others
+    to the token budget and score (and train on) text after the end of the answer."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        declared = getattr(source, "eos_token_id", None)
+        if declared is not None:
+            ids += [declared] if isinstance(declared, int) else list(declared)
+            break
+    stops = list(dict.fromkeys(int(i) for i in ids))  # ordered, unique
+    if not stops:
+        raise CheckpointError(f"{getattr(model.config, 'name_or_path', 'the model')!r}: neither the tokenizer nor the "
+                              f"model's generation config names an EOS token, so generation could never stop")
+    return stops
 
 
 def _is_dropout_name(name: str) -> bool:
@@ -181,7 +219,11 @@ def load_initial_weights(model, init_from: str, key: str = "model.init_from") ->
     path = Path(init_from).expanduser()
     if not path.exists():
         raise CheckpointError(f"{key}={init_from!r}: no such file or directory")
-    if path.is_dir():
+    from posttrain.sharding import is_distributed_checkpoint, policy_weights_from_distributed_checkpoint
+
+    if is_distributed_checkpoint(path):  # a trainer=fsdp checkpoint: a directory of shards
+        state = policy_weights_from_distributed_checkpoint(path, key)
+    elif path.is_dir():
         check_same_family(model, path, key, init_from)
         from transformers import AutoModelForCausalLM
 

@@ -2,6 +2,7 @@
 one loader from one kind of config node (`roles.<name>` in conf/train.yaml):
 
     name_or_path: null     # another model (hub id or HF directory); null = a copy of the policy
+                           # (of its base, without a LoRA adapter: see models/lora.py)
     init_from: policy      # start weights: `policy` (the policy's starting weights), a Lightning
                            # checkpoint / HF directory, or null (name_or_path's own weights)
     dtype: null            # null = the policy's
@@ -9,12 +10,12 @@ one loader from one kind of config node (`roles.<name>` in conf/train.yaml):
 
 A role is loaded only when a stage reads it (the module asks for it). Frozen roles are not
 written into checkpoints: the module stores nothing of them and rebuilds them from this
-config on resume (the policy's starting weights are rebuilt the same way).
+config on resume (the policy's starting weights are rebuilt the same way). With a LoRA policy
+the default reference is no copy at all: the policy's forward with its adapter switched off
+(`models.lora.reference_model`).
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch import nn
 from posttrain.algorithms.experience import sequence_hidden_states
 from posttrain.errors import ConfigError
 from posttrain.models.loading import DTYPES, disable_dropout, load_initial_weights, load_pretrained
+from posttrain.models.lora import copy_without_adapter
 
 
 def build_role(name: str, cfg, policy: nn.Module) -> nn.Module:
@@ -31,7 +33,7 @@ def build_role(name: str, cfg, policy: nn.Module) -> nn.Module:
         dtype = DTYPES[cfg.dtype] if cfg.get("dtype") else next(policy.parameters()).dtype
         _, model = load_pretrained(cfg.name_or_path, f"roles.{name}.name_or_path", dtype)
     else:
-        model = copy.deepcopy(policy)
+        model = copy_without_adapter(policy)  # a LoRA policy's base: the adapter is the policy's alone
     init_from = cfg.get("init_from")
     if init_from == "policy" and cfg.get("name_or_path"):
         raise ConfigError(f"roles.{name}: init_from=policy copies the policy's weights into another model "

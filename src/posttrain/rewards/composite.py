@@ -56,6 +56,10 @@ class CompositeReward:
                 # a sample whose verifier failed is not known to be correct, whatever failure_score is
                 correct = (scores == 1.0) & ~failed
         metrics["rewards/total/mean"] = _mean(total)
+        # answer checks cut by data.verify_timeout_s counted as wrong: logged, never silent
+        take_timeouts = getattr(source, "take_verifier_timeouts", None)
+        if take_timeouts is not None:
+            metrics["rewards/verifier_timeouts"] = float(take_timeouts())
         return RewardOutput(total=total, components=components, metrics=metrics, correct=correct)
 
     def _score(self, fn: RewardFunction, samples: Sequence[ScoredSample], source) -> tuple[torch.Tensor, torch.Tensor]:
