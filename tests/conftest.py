@@ -29,6 +29,20 @@ def compose_config(overrides: list[str], output_dir: Path | None = None):
     return cfg
 
 
+def module_from_config(cfg):
+    """The training module of a composed config, set up as Lightning would, outside a Trainer."""
+    from posttrain.data.sources import build_source
+    from posttrain.models.loading import load_tokenizer_and_model
+    from posttrain.train import build_module
+
+    source = build_source(cfg.data)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    module = build_module(cfg, policy, tokenizer, source)
+    module.setup("fit")
+    module.manual_backward = lambda loss: loss.backward()
+    return module
+
+
 @pytest.fixture
 def make_config(tmp_path):
     def make(*overrides: str, output_dir: Path | None = None):

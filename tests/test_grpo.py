@@ -11,7 +11,7 @@ from posttrain.errors import ConfigError, RewardError
 from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.train import build_module, run
 
-from conftest import EASY_TASK, FAST_RUN
+from conftest import EASY_TASK, FAST_RUN, module_from_config
 
 PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "ppo"]
 
@@ -166,13 +166,7 @@ def test_warm_start_can_stop_at_an_accuracy_target(make_config, tmp_path):
 
 def online_module(make_config, sft_start, *overrides):
     """The online-RL module of a config, set up as Lightning would, outside a Trainer."""
-    cfg = rl_config(make_config, sft_start, *overrides)
-    source = build_source(cfg.data)
-    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
-    module = build_module(cfg, policy, tokenizer, source)
-    module.setup("fit")
-    module.manual_backward = lambda loss: loss.backward()
-    return module
+    return module_from_config(rl_config(make_config, sft_start, *overrides))
 
 
 def test_on_policy_shortcut_gives_the_same_update_as_a_separate_old_forward(make_config, sft_start):

@@ -12,25 +12,15 @@ from posttrain.data.sources import build_source
 from posttrain.errors import ConfigError
 from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.models.lora import has_adapter
-from posttrain.train import build_module, run
+from posttrain.train import run
 
-from conftest import EASY_TASK, FAST_RUN
+from conftest import EASY_TASK, FAST_RUN, module_from_config
 
 LORA = ("model.lora.r=4", "model.lora.alpha=8")
 # a short online run without the SFT warm start (its export is the start of the RL run)
 SHORT_RL = ("algorithm.warm_start.steps=0", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
             "trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.checkpoint.every_n_train_steps=2",
             "eval.at_start=false")
-
-
-def online_module(cfg):
-    """The online-RL module of a config, set up as Lightning would, outside a Trainer."""
-    source = build_source(cfg.data)
-    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
-    module = build_module(cfg, policy, tokenizer, source)
-    module.setup("fit")
-    module.manual_backward = lambda loss: loss.backward()
-    return module
 
 
 def adapter_parameter_names(model) -> list[str]:
@@ -60,7 +50,7 @@ def test_reference_is_the_base_with_the_adapter_off(make_config, tiny_hf_model):
     base_dir = tiny_hf_model("qwen2")
     cfg = make_config(*FAST_RUN, *EASY_TASK, *SHORT_RL, *LORA, f"model.name_or_path={base_dir}", "algorithm=grpo",
                       "kl_estimator=k3")
-    module = online_module(cfg)
+    module = module_from_config(cfg)
     assert module.reference is None and module.frozen_roles() == []  # no copy of the weights
     assert {p for p in module.policy_parameters()} == {p for p in module.policy.parameters() if p.requires_grad}
     exp, _, _ = module.collect(step=0)
@@ -94,7 +84,7 @@ def test_reference_is_the_base_with_the_adapter_off(make_config, tiny_hf_model):
 
 def test_ppo_critic_copies_the_base_without_the_adapter(make_config):
     cfg = make_config(*FAST_RUN, *SHORT_RL, *LORA, "model.lora.export_merged=true", "algorithm=ppo")
-    module = online_module(cfg)
+    module = module_from_config(cfg)
     assert has_adapter(module.policy) and not has_adapter(module.critic.lm)
     assert all(p.requires_grad for p in module.critic.lm.parameters())  # a full critic, as without LoRA
     assert all(".lora_" in n for n in adapter_parameter_names(module.policy))
@@ -225,3 +215,32 @@ def test_the_warm_start_trains_every_weight_and_is_shared_with_runs_without_lora
     sft_cfg, target = warm_start_plan(cfg)
     assert sft_cfg.model.lora.r is None
     assert target == warm_start_plan(plain)[1]
+
+
+def test_the_fast_sampler_generates_with_the_adapter_as_the_hf_loop_does(make_config):
+    """rollout=fast reads a LoRA policy's adapter from its layers (base + scale * B @ A): the
+    same tokens and log-probs as the generic Hugging Face loop through PEFT's own forward."""
+    from posttrain.rollout import SamplingParams
+    from posttrain.rollout.fast import FastSampler
+
+    cfg = make_config(*LORA, "model.lora.dropout=0.1")
+    source = build_source(cfg.data)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    torch.manual_seed(0)
+    for name, parameter in policy.named_parameters():
+        if ".lora_B." in name:  # a trained-looking adapter (a fresh one is B = 0: no difference)
+            torch.nn.init.normal_(parameter, std=0.3)
+    prompts = tokenizer(["12+34=", "5+6=", "999+1="], add_special_tokens=False, padding=True, return_tensors="pt")
+    params = SamplingParams(max_new_tokens=6, temperature=0.7)
+    fast, generic = FastSampler(), FastSampler(use_functional=False)
+    assert fast.uses_functional_path(policy)
+    outputs = [engine.generate(policy, prompts["input_ids"], prompts["attention_mask"], params,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                               generator=torch.Generator().manual_seed(1)) for engine in (fast, generic)]
+    torch.testing.assert_close(outputs[0].response_ids, outputs[1].response_ids, atol=0, rtol=0)
+    torch.testing.assert_close(outputs[0].logprobs, outputs[1].logprobs, atol=1e-5, rtol=1e-5)
+    with policy.disable_adapter():  # the base alone: other tokens
+        base = fast.generate(policy, prompts["input_ids"], prompts["attention_mask"], params,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(base.logprobs, outputs[0].logprobs)

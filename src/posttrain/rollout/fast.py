@@ -31,7 +31,7 @@ from .base import (
     finalize_rollout,
     sample_next_token,
 )
-from .functional import FunctionalDecoder, unsupported_reason
+from .functional import FunctionalDecoder, unsupported_reason, without_adapter_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class FastSampler:
         self._warned: set[str] = set()
 
     def uses_functional_path(self, model: nn.Module) -> bool:
-        return self.use_functional and unsupported_reason(model) is None
+        return self.use_functional and unsupported_reason(without_adapter_wrapper(model)) is None
 
     @torch.inference_mode()
     def generate(
@@ -68,6 +68,7 @@ class FastSampler:
         check_prompts(prompt_ids, prompt_mask)
         eos = eos_tensor(eos_token_id, prompt_ids.device)
         batch, plen = prompt_ids.shape
+        model = without_adapter_wrapper(model)  # a LoRA policy: its adapter is read from its layers
         with eval_mode(model):
             reason = unsupported_reason(model) if self.use_functional else "use_functional=False"
             if reason is None:

@@ -164,6 +164,27 @@ class _Layer:
     b_down: Optional[torch.Tensor]
 
 
+def without_adapter_wrapper(model: nn.Module) -> nn.Module:
+    """A PEFT-wrapped policy's Hugging Face model, its LoRA layers in place (``model`` itself
+    otherwise): the layout the functional path reads."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def effective_weight(linear: nn.Module) -> torch.Tensor:
+    """The weight a linear layer applies: its own, or for a LoRA layer (PEFT) its base weight
+    plus each active adapter's update scale * B @ A, computed out of place (merging into the
+    base and back would round the base weights at every rollout)."""
+    delta = getattr(linear, "get_delta_weight", None)
+    if delta is None or linear.merged or linear.disable_adapters:
+        return linear.weight
+    weight = linear.base_layer.weight
+    for name in linear.active_adapters:
+        if name in linear.lora_A:
+            weight = weight + delta(name).to(weight.dtype)
+    return weight
+
+
 class FusedWeights:
     """The model's weights, regrouped for the functional forward (see module docstring).
 
@@ -192,13 +213,13 @@ class FusedWeights:
         attn, mlp = layer.self_attn, layer.mlp
         hq, hkv = self.num_heads, self.num_kv_heads
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        wq, wk, wv = (p.weight for p in projs)
+        wq, wk, wv = (effective_weight(p) for p in projs)
         w_qkv = torch.cat([_pair_rotary_rows(wq, hq), _pair_rotary_rows(wk, hkv), wv])
         b_qkv = None
         if any(p.bias is not None for p in projs):
             bq, bk, bv = (_bias_or_zeros(p) for p in projs)
             b_qkv = torch.cat([_pair_rotary_rows(bq, hq), _pair_rotary_rows(bk, hkv), bv])
-        w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        w_gate_up = torch.cat([effective_weight(mlp.gate_proj), effective_weight(mlp.up_proj)])
         b_gate_up = None
         if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
             b_gate_up = torch.cat([_bias_or_zeros(mlp.gate_proj), _bias_or_zeros(mlp.up_proj)])
@@ -206,12 +227,12 @@ class FusedWeights:
             floor1=_norm_floor(layer.input_layernorm),
             w_qkv=_fold_norm_gain(w_qkv, layer.input_layernorm),
             b_qkv=b_qkv,
-            w_o_t=attn.o_proj.weight.t(),
+            w_o_t=effective_weight(attn.o_proj).t(),
             b_o=attn.o_proj.bias,
             floor2=_norm_floor(layer.post_attention_layernorm),
             w_gate_up=_fold_norm_gain(w_gate_up, layer.post_attention_layernorm),
             b_gate_up=b_gate_up,
-            w_down_t=mlp.down_proj.weight.t(),
+            w_down_t=effective_weight(mlp.down_proj).t(),
             b_down=mlp.down_proj.bias,
         )
 
