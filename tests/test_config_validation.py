@@ -34,7 +34,8 @@ CONTEXT = {
 }
 ONLINE_CONTEXT = ("algorithm=grpo",)
 # Options no algorithm can run yet, with the reason their refusal gives.
-REFUSED = {("advantage", "prm_step"): "process reward model"}
+REFUSED = {("advantage", "prm_step"): "process reward model",
+           ("reward", "reward_model"): "needs exactly one of path"}  # which reward model: the user's
 # Options that need hardware or packages this machine may lack, with what their refusal names.
 GPU_ONLY = {("rollout", "vllm"): "rollout=vllm needs a CUDA GPU and the vllm package"}
 if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:

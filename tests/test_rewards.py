@@ -320,7 +320,9 @@ EXPECTED_COMPONENTS = {
 }
 
 
-@pytest.mark.parametrize("path", sorted((Path(CONFIG_DIR) / "reward").glob("*.yaml")), ids=lambda p: p.stem)
+# reward=reward_model needs a trained reward model's directory: tests/test_learned_reward.py builds one
+@pytest.mark.parametrize("path", sorted(p for p in (Path(CONFIG_DIR) / "reward").glob("*.yaml")
+                                        if p.stem != "reward_model"), ids=lambda p: p.stem)
 def test_every_reward_config_builds_and_scores(path):
     cfg = OmegaConf.load(path)
     assert cfg.name == path.stem

@@ -32,6 +32,7 @@ from posttrain.core.advantages import ADVANTAGE_ESTIMATORS, SCALE_MODES, SINGLET
 from posttrain.core.aggregation import AGGREGATION_MODES
 from posttrain.core.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from posttrain.core.policy_loss import POLICY_LOSSES, RATIO_LEVELS
+from posttrain.core.preference import PREFERENCE_LOSSES
 from posttrain.data.arithmetic import SPLITS, STYLES
 from posttrain.data.curriculum import CURRICULA
 from posttrain.data.hub import REQUIRED_COLUMNS
@@ -254,7 +255,7 @@ SPECS: dict[str, Spec] = {
     # --- algorithm ---
     "algorithm._target_": text().about("the LightningModule class"),
     "algorithm.name": text(),
-    "algorithm.kind": choice("online", "offline"),
+    "algorithm.kind": choice("online", "offline", "preference"),
     "algorithm.batch_size": integer(1).about("examples per optimiser step"),
     "algorithm.max_grad_norm": optional(number(0)).about("null or 0: no clipping"),
     **optimiser("algorithm.optim"),
@@ -288,6 +289,13 @@ SPECS: dict[str, Spec] = {
     "algorithm.ptx_batch_size": integer(1),
     "algorithm.offpolicy_mask_delta": optional(number(0)),
     "algorithm.keep_sampling_mask": boolean(),
+    # preference algorithms (dpo, ipo, hinge, simpo): algorithms/preference.py
+    "algorithm.loss": choice(*PREFERENCE_LOSSES),
+    "algorithm.beta": POSITIVE.about("the preference loss's inverse temperature (IPO: tau)"),
+    "algorithm.gamma": number(0).about("SimPO's target reward margin; 0 elsewhere"),
+    "algorithm.label_smoothing": Spec(lambda v: is_number(v) and 0 <= v < 0.5, "a number in [0, 0.5)").about(
+        "cDPO: the assumed probability that a preference label is flipped"),
+    "algorithm.length_normalize": boolean().about("IPO on per-token log-ratios"),
     "algorithm.warm_start.steps": integer(0).about("SFT steps, or their cap with until_accuracy; 0: no warm start"),
     "algorithm.warm_start.seed": optional(SEED).about("null: the run's seed"),
     "algorithm.warm_start.until_accuracy": optional(number(0, 1, low_open=True)).about("held-out greedy accuracy "
@@ -391,6 +399,13 @@ SPECS: dict[str, Spec] = {
     "reward.components.overlong.max_len": optional(integer(1)).about("tokens; null: rollout.max_new_tokens"),
     "reward.components.format.match_score": number(),
     "reward.components.format.miss_score": number(),
+    "reward.path": optional(text()).about("a reward model directory (reward=reward_model)"),
+    "reward.paths": optional(list_of(text())).about("reward model directories: an ensemble"),
+    "reward.components.reward_model.path": optional(text()).about("a reward model directory"),
+    "reward.components.reward_model.paths": optional(list_of(text())).about("reward model directories: an ensemble"),
+    "reward.components.reward_model.std_coef": number(0).about("k of an ensemble's mean - k * std"),
+    "reward.components.reward_model.batch_size": integer(1).about("rows per reward-model forward"),
+    "reward.components.reward_model.share_tokenizer": boolean(),
     "reward.components.*": mapping("{weight: 1.0} (drop a component with ~reward.components.<name>)"),
     "reward.components.*.weight": number(),
     "reward.components.*.target": pattern(r"[\w.]+\.\w+", "a dotted path 'package.module.function'"),
@@ -446,6 +461,27 @@ SPECS: dict[str, Spec] = {
     "numerics.policy.dual_clip": optional(number(1, low_open=True)),
     "numerics.policy.count_empty_rows": boolean(),
     "numerics.preference.ipo_length_normalize": boolean(),
+
+    # --- preference pairs (data/preference.py) and the reward model (algorithm=reward_model) ---
+    "preference.source": choice("embedded", "dataset"),
+    "preference.num_train_pairs": integer(1).about("embedded: training prompts, a pair each"),
+    "preference.num_validation_pairs": integer(1).about("embedded: held-out prompts, a pair each"),
+    "preference.samples_per_prompt": integer(2).about("embedded: a right and a wrong sample need two"),
+    "preference.temperature": POSITIVE.about("embedded: sampling temperature"),
+    "preference.seed": SEED,
+    "preference.cache": boolean(),
+    "preference.path": optional(text()).about("dataset: a hub name or a local file or directory"),
+    "preference.config": optional(text()),
+    "preference.splits.train": text(),
+    "preference.splits.validation": optional(text()).about("null: hold out preference.validation_size pairs"),
+    "preference.validation_size": integer(0),
+    "preference.validation_seed": SEED,
+    "preference.columns.prompt": text(),
+    "preference.columns.chosen": text(),
+    "preference.columns.rejected": text(),
+    "preference.chat": boolean(),
+    "algorithm.margin": number().about("Bradley-Terry margin m: -log sigma(s_w - s_l - m)"),
+    "algorithm.center_coef": number(0).about("reward centering: + center_coef (s_w + s_l)^2"),
 }
 
 PATTERNS = [key for key in SPECS if "*" in key]
@@ -559,7 +595,7 @@ def rule(fn: Rule) -> Rule:
 
 @rule
 def offline_algorithm_takes_no_online_components(v: Values):
-    if v["algorithm.kind"] != "offline":
+    if v["algorithm.kind"] not in ("offline", "preference"):  # preference algorithms train on fixed pairs
         return
     algorithm = v.choices.get("algorithm", v.get("algorithm.name"))
     for group in ONLINE_ONLY_GROUPS:
@@ -567,6 +603,30 @@ def offline_algorithm_takes_no_online_components(v: Values):
         if option != "none":
             yield (f"algorithm={algorithm} trains offline on fixed data, so {group}={option} has no effect; "
                    f"drop the override or set {group}=none")
+
+
+@rule
+def preference_options_fit_the_loss(v: Values):
+    """An option the chosen preference loss does not read would be silently ignored (or make
+    the core raise after the warm start): refused with the keys named."""
+    if v["algorithm.kind"] != "preference":
+        return
+    loss = v["algorithm.loss"]
+    if v.get("algorithm.gamma", 0) and loss != "simpo":
+        yield f"algorithm.gamma={v['algorithm.gamma']} is SimPO's target margin, but algorithm.loss={loss}; set it to 0"
+    if v.get("algorithm.label_smoothing", 0) and loss not in ("dpo", "simpo"):
+        yield (f"algorithm.label_smoothing={v['algorithm.label_smoothing']} smooths the logistic loss of dpo and "
+               f"simpo, but algorithm.loss={loss}; set it to 0")
+    if v.get("algorithm.length_normalize", False) and loss != "ipo":
+        yield (f"algorithm.length_normalize=true is IPO's option (simpo always normalises, dpo and hinge never), "
+               f"but algorithm.loss={loss}; set it to false")
+
+
+@rule
+def preference_dataset_is_named(v: Values):
+    if v["algorithm.kind"] == "preference" and v["preference.source"] == "dataset" and not v["preference.path"]:
+        yield ("preference.source=dataset needs preference.path (a local json/jsonl/parquet file or directory, or "
+               "a hub name, with columns prompt/chosen/rejected)")
 
 
 @rule
@@ -717,6 +777,17 @@ def curriculum_has_what_it_reads(v: Values):
     if needs_accuracy and isinstance(components, dict) and "accuracy" not in components:
         yield (f"data_curriculum={name} {needs_accuracy} from the reward's accuracy component, but "
                f"reward.components has none ({sorted(components)}); add reward.components.accuracy")
+
+
+@rule
+def a_reward_model_path_needs_the_reward_model_component(v: Values):
+    """reward.path / reward.paths only feed reward.components.reward_model: without it they'd be ignored."""
+    components = v.get("reward.components")
+    for key in ("reward.path", "reward.paths"):
+        if v.get(key) and isinstance(components, dict) and "reward_model" not in components:
+            yield (f"{key} is set, but the reward has no reward_model component to read it "
+                   f"(reward.components: {sorted(components)}); use reward=reward_model, or add "
+                   f"+reward.components.reward_model.{key.rpartition('.')[2]}=...")
 
 
 @rule

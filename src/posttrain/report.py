@@ -173,6 +173,8 @@ def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
 PANELS = (
     ("reward", "reward (rollout mean)", ("rollout/reward_mean",), 1.0),
     ("eval_accuracy", "held-out accuracy % (greedy)", ("eval/accuracy",), 100.0),
+    # beside the accuracy: a learned reward's score of the same responses (over-optimisation shows as a parting)
+    ("proxy_reward", "held-out proxy reward (learned, greedy)", ("eval/proxy_reward",), 1.0),
     ("response_length", "response length (tokens)", ("rollout/response_len_mean", "eval/response_len"), 1.0),
     ("kl", "KL to the reference", ("policy/kl",), 1.0),
     ("entropy", "entropy (nats / token)", ("policy/entropy",), 1.0),
@@ -293,7 +295,7 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
                           f"the runs' overrides and choices are: {', '.join(sorted(known))}")
     for run in runs:
         run["history"] = load_history(run["path"])
-        for name in ("eval/accuracy", "eval/response_len"):  # the curve starts at the start eval
+        for name in ("eval/accuracy", "eval/response_len", "eval/proxy_reward"):  # curves start at the start eval
             if name in run["history"] and f"{name}_start" in run:
                 run["history"][name].setdefault(0, run[f"{name}_start"])
 

@@ -122,10 +122,15 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     # Resuming keeps init_from: the trained weights come from the checkpoint, but frozen roles
     # (the reference) are rebuilt from the policy's starting weights, which checkpoints omit.
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    if cfg.algorithm.kind == "preference":  # the pairs, made with (or read for) the starting policy
+        from posttrain.data.preference import build_preference_source
+
+        source = build_preference_source(cfg, source, tokenizer, policy)
     module = build_module(cfg, policy, tokenizer, source)
     module.configure_eval(cfg.eval, samples_dir=output_dir / "samples", seed=cfg.seed)  # samples table, pass@k
     datamodule = PosttrainDataModule(
         source, tokenizer, batch_size=module.batch_size, train_collate=module.train_collate,
+        eval_on_pairs=getattr(module, "eval_on_pairs", False),
         eval_split=cfg.eval.split, eval_num_prompts=cfg.eval.num_prompts,
         eval_batch_size=cfg.eval.batch_size, seed=cfg.seed,
     )
@@ -156,6 +161,10 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
             summary.update({k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()})
         summary.update(global_step=trainer.global_step, train_seconds=round(train_seconds, 2),
                        choices=choices, run_dir=str(output_dir), warm_start=start_dir)
+        if cfg.algorithm.kind == "preference":
+            from posttrain.data.preference import share_summary
+
+            summary.update(share_summary(source))  # pairs/<split>/<kind>_share: what the pairs are made of
         export = consolidated_model(module.policy)  # every rank gathers a sharded policy; rank 0 gets it whole
         if trainer.is_global_zero:
             export_model(export, tokenizer, output_dir / "hf_model", cfg.model)  # with LoRA: the adapter (or merged)
@@ -182,6 +191,8 @@ def build_module(cfg: DictConfig, policy, tokenizer, source):
         components = dict(kl_estimator=cfg.kl_estimator, advantage=cfg.advantage, reward=cfg.reward,
                           data_curriculum=cfg.data_curriculum, roles=cfg.roles, cache_dir=cfg.paths.cache_dir,
                           seed=cfg.seed)
+    elif cfg.algorithm.kind == "preference":
+        components = dict(roles=cfg.roles)  # roles.reference: what DPO's frozen reference is
     from hydra.errors import InstantiationException
 
     try:

@@ -180,7 +180,7 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     The cache key holds only what the SFT run reads (never run paths, never the RL settings),
     so every online preset and every seed of a sweep share one warm start."""
     settings = cfg.algorithm.get("warm_start")
-    if cfg.algorithm.kind != "online" or not settings or settings.steps <= 0:
+    if cfg.algorithm.kind not in ("online", "preference") or not settings or settings.steps <= 0:
         return None
     if cfg.model.init_from:
         return None  # (a resumed run finds its warm start in the cache: its frozen roles start there)
@@ -217,6 +217,7 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
         # the RL run's, not the warm start's
         sft_cfg.trainer.pop("limit_train_batches", None)
         sft_cfg.trainer.pop("max_epochs", None)
+        sft_cfg.trainer.pop("max_time", None)  # a time budget is the RL run's too: a cut warm start would be cached
         sft_cfg.trainer.val_check_interval = settings.steps if target_accuracy is None else settings.eval_every
         sft_cfg.callbacks.checkpoint.every_n_train_steps = settings.steps
         sft_cfg.callbacks.stop_at_step = None
@@ -241,7 +242,7 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
 # retrain every cached warm start; editing anything else (the model, data, SFT module,
 # core, rollout used by its held-out eval, this file) does.
 NOT_IN_SFT = ("algorithms/online.py", "algorithms/terms.py", "algorithms/experience.py", "models/roles.py",
-              "evaluate.py")
+              "evaluate.py", "algorithms/reward_model.py", "algorithms/preference.py", "data/preference.py")
 
 
 @functools.cache

@@ -7,6 +7,7 @@ from posttrain.core.preference import (
     PREFERENCE_LOSSES,
     PreferenceOutput,
     bradley_terry_loss,
+    ensemble_lower_bound,
     ipo_loss,
     preference_loss,
 )
@@ -305,3 +306,13 @@ def test_dpo_is_invariant_to_a_common_shift_and_ipo_minimum():
         chosen_len=torch.tensor([2]), rejected_len=torch.tensor([2]),
     ).loss
     assert ipo_n.item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_ensemble_lower_bound_by_hand():
+    # two samples scored by three models: means 2 and 0, unbiased stds 1 and 3
+    scores = torch.tensor([[1.0, 3.0], [2.0, 0.0], [3.0, -3.0]], dtype=D)
+    lower, spread = ensemble_lower_bound(scores, std_coef=0.5)
+    assert spread.tolist() == [1.0, 3.0]
+    assert lower.tolist() == [2.0 - 0.5 * 1.0, 0.0 - 0.5 * 3.0]
+    single, none = ensemble_lower_bound(scores[:1], std_coef=0.5)  # one model: no spread, scores unchanged
+    assert single.tolist() == [1.0, 3.0] and none.tolist() == [0.0, 0.0]

@@ -32,6 +32,14 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
+def held_out_samples(examples, texts, lengths, truncated) -> list:
+    """Held-out responses as reward samples, each its own group (no group to compare with)."""
+    from posttrain.rewards import ScoredSample
+
+    return [ScoredSample(example, text, int(length), bool(cut), group)
+            for group, (example, text, length, cut) in enumerate(zip(examples, texts, lengths, truncated))]
+
+
 @dataclass
 class Scored:
     """Responses to the prompt rows of a batch, judged by the task's verifier."""
@@ -194,6 +202,7 @@ class PosttrainModule(L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._eval_samples: list[dict] = []
+        self._eval_proxy: list[float] = []  # learned reward of each greedy response (eval/proxy_reward)
         self._eval_counts: list[torch.Tensor] = []  # per prompt: correct responses of eval_num_samples
         if self.eval_pass_k:
             # the same draws at every eval (each rank its own), and training's random state untouched
@@ -205,6 +214,7 @@ class PosttrainModule(L.LightningModule):
         scored = generate_and_score(self, batch, params)
         self._eval_correct += scored.correct
         self._eval_lengths += scored.lengths
+        self._eval_proxy += self.proxy_rewards(batch["examples"], scored)
         wanted = self.eval_log_samples - len(self._eval_samples)
         if wanted > 0 and self.trainer.is_global_zero:  # only rank 0 logs: its first prompts
             self._eval_samples += self.sample_rows(batch["examples"][:wanted], scored)
@@ -227,23 +237,39 @@ class PosttrainModule(L.LightningModule):
         reward_fn = getattr(self, "reward_fn", None)
         if reward_fn is None:
             return list(correct)
-        from posttrain.rewards import ScoredSample
+        return reward_fn(held_out_samples(examples, texts, lengths, truncated), self.source).total.tolist()
 
-        samples = [ScoredSample(example, text, int(length), bool(cut), group)
-                   for group, (example, text, length, cut) in enumerate(zip(examples, texts, lengths, truncated))]
-        return reward_fn(samples, self.source).total.tolist()
+    def learned_scorers(self) -> list:
+        """The training reward's learned components (a reward model), if it has any."""
+        from posttrain.rewards.reward_model import learned_scorers
+
+        reward_fn = getattr(self, "reward_fn", None)
+        return [] if reward_fn is None else learned_scorers(reward_fn)
+
+    def proxy_rewards(self, examples, scored: Scored) -> list[float]:
+        """The learned reward of each greedy held-out response (the mean of the learned
+        components, unweighted): logged as eval/proxy_reward beside eval/accuracy, so the point
+        where optimising the proxy stops raising the verifiable accuracy shows."""
+        scorers = self.learned_scorers()
+        if not scorers:
+            return []
+        samples = held_out_samples(examples, scored.texts, scored.lengths, scored.truncated)
+        per_scorer = [torch.as_tensor(fn(samples, self.source), dtype=torch.float32).cpu() for fn in scorers]
+        return torch.stack(per_scorer).mean(dim=0).tolist()
 
     def on_validation_epoch_end(self):
         # each rank scored its own shard of the held-out prompts: reduce sums and counts
         counts = torch.cat(self._eval_counts) if self._eval_counts else torch.zeros(0)
         pass_sums = [float(pass_at_k(self.eval_num_samples, counts, k).sum()) for k in self.eval_pass_k]
         totals = all_reduce_sum(torch.tensor([sum(self._eval_correct), sum(self._eval_lengths),
-                                              float(len(self._eval_correct)), *pass_sums],
+                                              float(len(self._eval_correct)), *pass_sums, sum(self._eval_proxy)],
                                              dtype=torch.float64, device=self.device))
         if totals[2] == 0:
             return
         accuracy, length = float(totals[0] / totals[2]), float(totals[1] / totals[2])
         self.log_dict({"eval/accuracy": accuracy, "eval/response_len": length}, prog_bar=True)
+        if self.learned_scorers():  # the same on every rank: each scored its own rows
+            self.log_dict({"eval/proxy_reward": float(totals[-1] / totals[2])}, prog_bar=True)
         if self.eval_pass_k:  # every prompt has eval_num_samples samples: the same count as the greedy rows
             self.log_dict({f"eval/pass@{k}": float(totals[3 + i] / totals[2]) for i, k in enumerate(self.eval_pass_k)})
         if self._eval_samples:

@@ -160,7 +160,7 @@ class OnlineRLModule(PosttrainModule):
                                                                  exp.response_ids, exp.response_mask)))
         check_core_options(self)
         self.reward_cfg = reward
-        self.reward_fn = build_reward(reward, source, rollout.max_new_tokens)
+        self.reward_fn = build_reward(reward, source, rollout.max_new_tokens, policy=policy, tokenizer=tokenizer)
         self.curriculum = None    # built in setup(), when this process's rank is known
         self.ptx_cursor = None
         self.nonfinite_steps = 0  # optimiser steps skipped for a non-finite gradient norm

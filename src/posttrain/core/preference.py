@@ -239,3 +239,12 @@ def bradley_terry_loss(chosen_scores, rejected_scores, margin=None, center_coef:
     if center_coef:
         loss = loss + center_coef * (chosen_scores + rejected_scores).pow(2).mean()
     return _output(loss, chosen_scores, rejected_scores)
+
+
+def ensemble_lower_bound(scores: torch.Tensor, std_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pessimistic reward of a reward-model ensemble (Coste et al. 2023, uncertainty-weighted
+    optimisation): [M, B] scores of M models -> ([B] mean - std_coef * std over the models,
+    [B] std). The std is unbiased, the project's convention for sample spreads; one model has
+    no spread, so its std is 0 and its scores pass unchanged."""
+    spread = scores.std(dim=0) if scores.shape[0] > 1 else torch.zeros_like(scores[0])
+    return scores.mean(dim=0) - std_coef * spread, spread

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from posttrain.data.sources import Example, PromptLimits
 from posttrain.data.templates import render_chat
+from posttrain.distributed import rank_and_world
 from posttrain.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -54,23 +55,33 @@ class ExampleCursor:
         order = torch.randperm(size, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
         return int(order[offset])
 
-    def take(self, count: int) -> list[Example]:
-        examples = [self.source.example(self.split, self.index(self.stream_position(p)))
-                    for p in range(self.position, self.position + count)]
+    def take_indices(self, count: int) -> list[int]:
+        """The source indices of this rank's next ``count`` items."""
+        indices = [self.index(self.stream_position(p)) for p in range(self.position, self.position + count)]
         self.position += count
-        return examples
+        return indices
+
+    def take(self, count: int) -> list[Example]:
+        return [self.source.example(self.split, i) for i in self.take_indices(count)]
 
 
 class ExampleStream(IterableDataset):
-    """Examples ``start, start+1, ...`` of a split, endlessly."""
+    """This rank's items of a split from its position ``start`` on, endlessly, in ExampleCursor's
+    seeded, resumable order: the examples of a task source, or with ``pairs`` the pairs of a
+    preference source (data/preference.py). Under data parallelism each rank streams its own
+    share (ExampleCursor), so the ranks' batches together are one global batch."""
 
-    def __init__(self, source, split: str, start: int, seed: int):
+    def __init__(self, source, split: str, start: int, seed: int, rank: int = 0, world_size: int = 1,
+                 pairs: bool = False):
         self.source, self.split, self.start, self.seed = source, split, start, seed
+        self.rank, self.world_size, self.pairs = rank, world_size, pairs
 
     def __iter__(self):
-        cursor = ExampleCursor(self.source, self.split, self.seed, self.start)
+        cursor = ExampleCursor(self.source, self.split, self.seed, self.start, self.rank, self.world_size)
+        pairs = self.source.pairs(self.split) if self.pairs else None
         while True:
-            yield cursor.take(1)[0]
+            (index,) = cursor.take_indices(1)
+            yield pairs[index] if pairs is not None else self.source.example(self.split, index)
 
 
 class StepTickets(IterableDataset):
@@ -229,26 +240,37 @@ class PosttrainDataModule(L.LightningDataModule):
     """Training stream (`train_collate` picks SFT pairs or prompts) and held-out prompts."""
 
     def __init__(self, source, tokenizer, batch_size: int, train_collate: Callable, eval_split: str,
-                 eval_num_prompts: int, eval_batch_size: int, seed: int = 0):
+                 eval_num_prompts: int, eval_batch_size: int, seed: int = 0, eval_on_pairs: bool = False):
         super().__init__()
         self.source, self.tokenizer = source, tokenizer
         self.batch_size, self.train_collate, self.seed = batch_size, train_collate, seed
         self.eval_split, self.eval_batch_size = eval_split, eval_batch_size
-        size = source.size(eval_split)
+        # a preference source trains on its pairs; its held-out prompts are its task's
+        self.trains_on_pairs = hasattr(source, "pairs")
+        self.eval_on_pairs = eval_on_pairs  # held-out batches of validation pairs (reward model), not prompts
+        prompts = source.task if self.trains_on_pairs else source
+        size = prompts.size(eval_split)
         count = eval_num_prompts if size is None else min(size, eval_num_prompts)
         # before any example is handed out: prompts too long for the model fail (or are cut) here
-        fit_prompts(source, tokenizer, {"train": ENDLESS_SAMPLE, eval_split: count},
+        fit_prompts(prompts, tokenizer, {"train": ENDLESS_SAMPLE, eval_split: count},
                     sft_rows=train_collate is collate_sft)
-        self.eval_examples = [source.example(eval_split, i) for i in range(count)]
+        self.eval_examples = [prompts.example(eval_split, i) for i in range(count)]
 
     def train_dataloader(self) -> DataLoader:
         if self.train_collate is None:  # the module owns its prompt stream
             return DataLoader(StepTickets(), batch_size=None)
         batches_seen = getattr(self.trainer.lightning_module, "train_batches_seen", 0) if self.trainer else 0
-        stream = ExampleStream(self.source, "train", start=batches_seen * self.batch_size, seed=self.seed)
+        rank, world_size = rank_and_world()
+        stream = ExampleStream(self.source, "train", start=batches_seen * self.batch_size, seed=self.seed, rank=rank,
+                               world_size=world_size, pairs=self.trains_on_pairs)
         return DataLoader(stream, batch_size=self.batch_size,
                           collate_fn=lambda b: self.train_collate(b, self.tokenizer))
 
     def val_dataloader(self) -> DataLoader:
+        if self.eval_on_pairs:
+            from posttrain.data.preference import collate_pairs  # (it imports this module)
+
+            return DataLoader(self.source.pairs(self.eval_split), batch_size=self.eval_batch_size, shuffle=False,
+                              collate_fn=lambda b: collate_pairs(b, self.tokenizer))
         return DataLoader(self.eval_examples, batch_size=self.eval_batch_size, shuffle=False,
                           collate_fn=lambda b: collate_prompts(b, self.tokenizer))

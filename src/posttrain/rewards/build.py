@@ -26,9 +26,13 @@ from posttrain.rewards.base import RewardFunction, ScoredSample
 from posttrain.rewards.components import REWARD_FUNCTIONS
 from posttrain.rewards.composite import ON_ERROR_MODES, CompositeReward
 
-TOP_LEVEL_KEYS = ("name", "on_error", "failure_score", "components")
+# path / paths: the reward model preset's shorthands (reward.path=<dir>), read by its component
+TOP_LEVEL_KEYS = ("name", "on_error", "failure_score", "components", "path", "paths")
 # A built-in constructor with this parameter gets the generation budget (rollout.max_new_tokens).
 BUDGET_PARAM = "max_new_tokens"
+# ... and with these, the run's policy and tokenizer (a learned scorer runs on the policy's
+# device and may tokenise as it does); None where none exists yet (the start-up config check).
+RUN_PARAMS = ("policy", "tokenizer")
 
 
 class TargetReward:
@@ -43,12 +47,13 @@ class TargetReward:
         return self.fn(samples, source, **self.options)
 
 
-def build_reward(reward_cfg: DictConfig, source, max_new_tokens: int) -> CompositeReward:
+def build_reward(reward_cfg: DictConfig, source, max_new_tokens: int, *, policy=None,
+                 tokenizer=None) -> CompositeReward:
     """The composite reward the `reward` config describes.
 
     `source` is the task source the rewards will judge with (kept for scorers that need to
     know it when built); `max_new_tokens` is the generation budget, the default `max_len`
-    of `overlong`.
+    of `overlong`; `policy` and `tokenizer` go to the built-ins that declare them (RUN_PARAMS).
     """
     cfg = OmegaConf.to_container(reward_cfg, resolve=True) if isinstance(reward_cfg, DictConfig) else dict(reward_cfg)
     unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
@@ -64,11 +69,12 @@ def build_reward(reward_cfg: DictConfig, source, max_new_tokens: int) -> Composi
     if not isinstance(entries, dict) or not entries:
         raise ConfigError(f"reward.components must map component names to options, e.g. "
                           f"{{accuracy: {{weight: 1.0}}}}; got {entries!r}")
-    components = [_build_component(name, entry, max_new_tokens) for name, entry in entries.items()]
+    run = {BUDGET_PARAM: max_new_tokens, **dict(zip(RUN_PARAMS, (policy, tokenizer)))}
+    components = [_build_component(name, entry, run) for name, entry in entries.items()]
     return CompositeReward(components, on_error=on_error, failure_score=float(failure_score))
 
 
-def _build_component(name: str, entry: Any, max_new_tokens: int) -> tuple[RewardFunction, float]:
+def _build_component(name: str, entry: Any, run: dict[str, Any]) -> tuple[RewardFunction, float]:
     key = f"reward.components.{name}"
     if not isinstance(entry, dict):
         raise ConfigError(f"{key} must be a mapping of options such as {{weight: 1.0}}, got {entry!r} "
@@ -89,9 +95,12 @@ def _build_component(name: str, entry: Any, max_new_tokens: int) -> tuple[Reward
     if BUDGET_PARAM in options:
         raise ConfigError(f"{key}.{BUDGET_PARAM} is set from the generation budget (rollout.max_new_tokens), "
                           f"not by the reward config")
-    _check_options(key, factory, options, supplied=0, hidden=(BUDGET_PARAM,))
-    if BUDGET_PARAM in inspect.signature(factory).parameters:
-        options[BUDGET_PARAM] = max_new_tokens
+    taken = [param for param in RUN_PARAMS if param in options]
+    if taken:
+        raise ConfigError(f"{key}.{taken[0]} is the run's own (given by the training module), not a config option")
+    _check_options(key, factory, options, supplied=0, hidden=tuple(run))
+    declared = inspect.signature(factory).parameters
+    options.update({param: value for param, value in run.items() if param in declared})
     try:
         fn = factory(**options)
     except ValueError as err:

@@ -13,6 +13,7 @@ import torch
 
 from posttrain.core.length import dapo_overlong_penalty, kimi_length_reward
 from posttrain.rewards.base import RewardFunction, ScoredSample
+from posttrain.rewards.reward_model import RewardModelScorer
 
 
 def verify(samples: Sequence[ScoredSample], source) -> torch.Tensor:
@@ -88,4 +89,5 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "format": FormatReward,
     "overlong": OverlongReward,
     "length_penalty": LengthPenaltyReward,
+    "reward_model": RewardModelScorer,
 }

@@ -50,6 +50,9 @@ class CompositeReward:
             components[fn.name] = scores
             total += weight * scores
             metrics[f"rewards/{fn.name}/mean"] = _mean(scores)
+            take_metrics = getattr(fn, "take_metrics", None)  # a component's own stats (an ensemble's spread)
+            if take_metrics is not None:
+                metrics.update(take_metrics())
             if self.on_error == "fail":
                 metrics[f"rewards/{fn.name}/errors"] = float(failed.sum())
             if fn.name == ACCURACY:

@@ -1,0 +1,117 @@
+"""Bradley–Terry reward model: a scalar score per (prompt, response), trained on preference pairs.
+
+The model is the policy's causal-LM body under a linear head named ``score`` that reads the
+hidden state of the last non-padding token: Hugging Face's ``<Arch>ForSequenceClassification``
+with ``num_labels=1``, built from the starting policy (the SFT warm start) and trained whole.
+Training and held-out scoring go through that class's own forward, so ``hf_model/`` (its
+``save_pretrained``) loads with ``AutoModelForSequenceClassification`` and scores exactly as
+the module did. Loss: ``core.preference.bradley_terry_loss`` (margin, reward centering).
+Held-out evaluation is pair accuracy on the validation pairs (``eval/pair_accuracy``), not
+generation.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from posttrain.algorithms.base import PosttrainModule
+from posttrain.core.preference import bradley_terry_loss
+from posttrain.data.preference import collate_pairs
+from posttrain.distributed import all_reduce_sum, average_gradients
+from posttrain.errors import ConfigError
+
+
+def sequence_classifier(causal_lm, tokenizer):
+    """``<Arch>ForSequenceClassification`` (num_labels=1, pad_token_id set) holding the body of
+    ``causal_lm``; its ``score`` head starts as Hugging Face initialises it (small normal)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.models.loading import disable_dropout
+    from posttrain.models.lora import has_adapter
+
+    if has_adapter(causal_lm):
+        raise ConfigError("algorithm=reward_model trains every weight of its backbone and a new head; set "
+                          "model.lora.r=null")
+    config = copy.deepcopy(causal_lm.config)
+    config.num_labels = 1
+    # the classifier's pooling finds each row's last token by this id (the rows are right-padded)
+    config.pad_token_id = tokenizer.pad_token_id
+    dtype = next(causal_lm.parameters()).dtype
+    model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    model.base_model.load_state_dict(causal_lm.base_model.state_dict())
+    return disable_dropout(model)
+
+
+def pair_rows(batch: dict, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen rows then the rejected rows of a `collate_pairs` batch, right-padded to one
+    width: (input_ids [2B, T], attention_mask [2B, T])."""
+    width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+
+    def widen(tensor, fill):
+        return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=fill)
+
+    ids = [widen(batch[f"{side}_input_ids"], pad_token_id) for side in ("chosen", "rejected")]
+    masks = [widen(batch[f"{side}_attention_mask"], 0) for side in ("chosen", "rejected")]
+    return torch.cat(ids), torch.cat(masks)
+
+
+def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Batch means of the scores, their margin and the share of pairs ranked right (chosen > rejected)."""
+    return {"chosen": chosen.mean(), "rejected": rejected.mean(), "margin": (chosen - rejected).mean(),
+            "accuracy": (chosen > rejected).float().mean()}
+
+
+class RewardModelModule(PosttrainModule):
+    train_collate = staticmethod(collate_pairs)
+    eval_on_pairs = True  # the datamodule's held-out batches are validation pairs, not prompts
+
+    def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, batch_size,
+                 max_grad_norm=1.0, margin=0.0, center_coef=0.0, roles=None):
+        # `roles` (train.py hands every preference module the role settings, for DPO's
+        # reference): a reward model has no other role
+        super().__init__(sequence_classifier(policy, tokenizer), tokenizer, source, optim, rollout,
+                         eval_max_new_tokens, max_grad_norm)
+        self.batch_size, self.margin, self.center_coef = batch_size, margin, center_coef
+
+    def pair_scores(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen scores [B], rejected scores [B]) from one forward over both sides."""
+        input_ids, attention_mask = pair_rows(batch, self.tokenizer.pad_token_id)
+        scores = self.policy(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+        return scores.chunk(2)
+
+    def training_step(self, batch, batch_idx):
+        chosen, rejected = self.pair_scores(batch)
+        out = bradley_terry_loss(chosen, rejected, margin=self.margin or None, center_coef=self.center_coef)
+        self.train_batches_seen += 1
+        self.log("train/loss", out.loss.detach(), prog_bar=True)
+        self.log_dict({f"rewards/{k}": v for k, v in reward_stats(out.chosen_rewards, out.rejected_rewards).items()})
+        return out.loss
+
+    def on_before_optimizer_step(self, optimizer):
+        # data parallelism without a DDP wrapper (trainer=ddp): average the ranks' gradients
+        # (equal per-rank batches: the mean of the ranks' pair means is the global pair mean)
+        average_gradients(self.policy.parameters())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("train/grad_norm", self.last_grad_norm)
+
+    # --- held-out evaluation: pair accuracy on the validation pairs ------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._eval_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch, batch_idx):
+        chosen, rejected = self.pair_scores(batch)
+        # pairs, ranked right, chosen sum, rejected sum: summed over ranks at the end
+        self._eval_sums += torch.stack([torch.ones_like(chosen).sum(), (chosen > rejected).sum(), chosen.sum(),
+                                        rejected.sum()]).double()
+
+    def on_validation_epoch_end(self):
+        pairs, right, chosen, rejected = all_reduce_sum(self._eval_sums).tolist()
+        if pairs == 0:
+            return
+        self.log("eval/pair_accuracy", right / pairs, prog_bar=True)
+        self.log_dict({"eval/rewards/chosen": chosen / pairs, "eval/rewards/rejected": rejected / pairs,
+                       "eval/rewards/margin": (chosen - rejected) / pairs})
+        self.evaluated_at_step = self.trainer.global_step

@@ -1,0 +1,394 @@
+"""Preference pairs: (prompt, chosen, rejected) for reward models and DPO-family algorithms.
+
+Two sources, picked by ``preference.source`` (conf/train.yaml):
+
+``embedded``  pairs made on the run's task (``data.*``) with the policy it starts from (the
+              SFT warm start): each prompt gets ``samples_per_prompt`` sampled responses,
+              judged by the task's verifier. A prompt with a right and a wrong sample gives
+              an ``on_policy`` pair (the first of each); otherwise the reference solution is
+              chosen and a copy of it with one digit of its final answer changed (which the
+              verifier marks wrong) is rejected: a ``perturbed`` pair. Training pairs come
+              from the task's training prompts, held-out pairs from its validation prompts
+              (the task splits by prompt hash: no prompt is in both). They are built once and
+              cached under ``paths.cache_dir``/preference_pairs, keyed by what they depend on.
+``dataset``   a table read through ``datasets`` (a hub name, or a local json/jsonl/parquet
+              file or directory; data/hub.py's loaders) with columns prompt / chosen /
+              rejected. Each is plain text or chat messages; in the common conversation
+              schema chosen and rejected are whole conversations, whose turns before the last
+              are the prompt and whose last (assistant) turn is the response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from posttrain.data.datamodule import collate_prompts, prompt_token_ids
+from posttrain.data.sources import Example
+from posttrain.data.templates import check_messages, last_user_content
+from posttrain.errors import ConfigError, DataError
+
+log = logging.getLogger("posttrain")
+
+KINDS = ("on_policy", "perturbed", "dataset")
+SPLITS = ("train", "validation")
+# Prompts sampled together in one generation call when building embedded pairs.
+PROMPTS_PER_CALL = 128
+# Bump when the cached file's layout or the way pairs are made changes: old entries are then ignored.
+CACHE_VERSION = 1
+
+
+@dataclass
+class PreferencePair:
+    prompt: str                         # the prompt text (verifiers and logs read it)
+    chosen: str                         # the preferred response (no EOS)
+    rejected: str                       # the dispreferred response (no EOS)
+    kind: str                           # "on_policy" | "perturbed" | "dataset"
+    messages: list[dict] | None = None  # the prompt as chat messages (rendered with the tokenizer's chat template)
+    example: Example | None = None      # the task example it came from (embedded task), for verification
+
+
+# --- collation ------------------------------------------------------------------------------
+
+def _right_padded(rows: list[list[int]], labels: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    label_ids = torch.full((len(rows), width), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, label) in enumerate(zip(rows, labels)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        label_ids[i, : len(row)] = torch.tensor(label)
+        attention_mask[i, : len(row)] = 1
+    return input_ids, attention_mask, label_ids
+
+
+def pair_prompt_ids(pair: PreferencePair, tokenizer) -> list[int]:
+    """The prompt's token ids exactly as SFT and generation make them (chat template or text)."""
+    example = pair.example or Example(pair.prompt, "", None, messages=pair.messages)
+    return prompt_token_ids(example, tokenizer)
+
+
+def collate_pairs(pairs: list[PreferencePair], tokenizer) -> dict:
+    """Right-padded rows prompt + response + EOS for both sides, the same token layout as SFT's
+    collate_sft (prompt rendered by posttrain.data.datamodule.prompt_token_ids / chat template):
+    chosen_input_ids, chosen_attention_mask, chosen_labels (-100 on prompt and padding),
+    rejected_input_ids, rejected_attention_mask, rejected_labels: [B, T] long;
+    chosen_len, rejected_len: [B] long response tokens including EOS; "pairs": the list."""
+    batch: dict = {"pairs": pairs}
+    prompts = [pair_prompt_ids(pair, tokenizer) for pair in pairs]
+    for side in ("chosen", "rejected"):
+        texts = [getattr(pair, side) for pair in pairs]
+        responses = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        rows = [prompt + response for prompt, response in zip(prompts, responses)]
+        labels = [[-100] * len(prompt) + response for prompt, response in zip(prompts, responses)]
+        input_ids, attention_mask, label_ids = _right_padded(rows, labels, tokenizer.pad_token_id)
+        batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"] = input_ids, attention_mask
+        batch[f"{side}_labels"] = label_ids
+        batch[f"{side}_len"] = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    return batch
+
+
+# --- the source -------------------------------------------------------------------------------
+
+class PreferenceSource:
+    """The pairs of a run, by split ("train", "validation"), behind the task source:
+    `pairs(split) -> list[PreferencePair]`, `size(split)`, and `example(split, i)`, `is_correct`,
+    `has_style`, `alphabet`, `prompt_limits`, `origin` delegate to the wrapped task source so
+    generative held-out evaluation on the task works unchanged. `shares(split) -> dict[str, float]`
+    is the fraction of each pair kind."""
+
+    def __init__(self, task, pairs_by_split: dict[str, list[PreferencePair]], where: str):
+        self.task = task
+        self.where = where  # what the pairs were made from, for errors
+        self._pairs = pairs_by_split
+
+    def pairs(self, split: str) -> list[PreferencePair]:
+        if split not in self._pairs:
+            raise ConfigError(f"{self.where} has no {split!r} preference pairs; this run needs them")
+        return self._pairs[split]
+
+    def size(self, split: str) -> int:
+        return len(self.pairs(split))
+
+    def splits(self) -> list[str]:
+        """The splits that have pairs."""
+        return [split for split in SPLITS if split in self._pairs]
+
+    def shares(self, split: str) -> dict[str, float]:
+        pairs = self.pairs(split)
+        return {kind: sum(p.kind == kind for p in pairs) / max(1, len(pairs)) for kind in KINDS}
+
+    # the task's own interface, for held-out generative evaluation and verifiers
+    def example(self, split: str, index: int) -> Example:
+        return self.task.example(split, index)
+
+    def is_correct(self, example: Example, response: str) -> bool:
+        return self.task.is_correct(example, response)
+
+    def has_style(self, response: str) -> bool:
+        return self.task.has_style(response)
+
+    def origin(self, split: str, index: int) -> str | None:
+        return self.task.origin(split, index)
+
+    @property
+    def alphabet(self) -> str:
+        return self.task.alphabet
+
+    @property
+    def prompt_limits(self):
+        return self.task.prompt_limits
+
+
+def share_summary(source: PreferenceSource) -> dict[str, float]:
+    """`pairs/<split>/<kind>_share` and `pairs/<split>/count` for summary.json."""
+    summary = {}
+    for split in source.splits():
+        summary[f"pairs/{split}/count"] = float(source.size(split))
+        summary.update({f"pairs/{split}/{kind}_share": share for kind, share in source.shares(split).items()})
+    return summary
+
+
+def build_preference_source(cfg, task_source, tokenizer, policy) -> PreferenceSource:
+    """From `cfg.preference`: embedded pairs sampled from `policy` (the SFT warm start) where it
+    can, perturbed correct solutions otherwise; or a dataset. Embedded pairs are built once and
+    cached under paths.cache_dir keyed by what they depend on."""
+    settings = cfg.preference
+    if settings.source == "dataset":
+        source = PreferenceSource(task_source, read_pair_dataset(settings), f"preference.path={settings.path!r}")
+    elif settings.source == "embedded":
+        source = PreferenceSource(task_source, cached_embedded_pairs(cfg, task_source, tokenizer, policy),
+                                  "the embedded preference pairs")
+    else:
+        raise ConfigError(f"preference.source={settings.source!r} is not one of ['embedded', 'dataset']")
+    for split in source.splits():
+        shares = ", ".join(f"{kind} {share:.1%}" for kind, share in source.shares(split).items() if share)
+        log.info(f"Preference pairs ({settings.source}): {source.size(split)} {split} pairs: {shares}")
+    return source
+
+
+# --- embedded pairs ---------------------------------------------------------------------------
+
+def cached_embedded_pairs(cfg, task_source, tokenizer, policy) -> dict[str, list[PreferencePair]]:
+    """The embedded pairs from the cache, else built (and cached when preference.cache)."""
+    path = embedded_cache_path(cfg)
+    if cfg.preference.cache and path.is_file():
+        log.info(f"Preference pairs: read from the cache {path}")
+        return read_cached_pairs(path, task_source)
+    indexed = {split: embedded_pairs(split, count, task_source, tokenizer, policy, cfg)
+               for split, count in (("train", cfg.preference.num_train_pairs),
+                                    ("validation", cfg.preference.num_validation_pairs))}
+    if cfg.preference.cache:
+        from posttrain.utils import write_json_atomic  # concurrent builders write the same content: last wins
+
+        write_json_atomic(path, {split: [cached_row(index, pair) for index, pair in rows]
+                                 for split, rows in indexed.items()})
+    return {split: [pair for _, pair in rows] for split, rows in indexed.items()}
+
+
+def embedded_cache_path(cfg) -> Path:
+    """paths.cache_dir/preference_pairs/<key>.json, the key a hash of what the pairs depend on:
+    the policy's starting weights (the warm start's directory is itself a content key), the
+    model and task settings, the pair settings and the sampler; never run paths."""
+    identity = {group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("model", "data", "preference")}
+    identity.update(rollout_engine=cfg.rollout.engine, version=CACHE_VERSION)
+    for key in ("cache", *DATASET_KEYS):
+        identity["preference"].pop(key, None)  # settings the embedded pairs do not read
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cfg.paths.cache_dir) / "preference_pairs" / f"{key}.json"
+
+
+def cached_row(index: int, pair: PreferencePair) -> dict:
+    """A pair as stored: its example as the task index it is rebuilt from on reading."""
+    row = {k: v for k, v in asdict(pair).items() if k != "example"}
+    row["index"] = index
+    return row
+
+
+def read_cached_pairs(path: Path, task_source) -> dict[str, list[PreferencePair]]:
+    stored = json.loads(path.read_text())
+    return {split: [PreferencePair(**{k: v for k, v in row.items() if k != "index"},
+                                   example=task_source.example(split, row["index"])) for row in rows]
+            for split, rows in stored.items()}
+
+
+def embedded_pairs(split: str, count: int, task_source, tokenizer, policy, cfg) -> list[tuple[int, PreferencePair]]:
+    """(task index, pair) for each of the first `count` prompts of the task's `split` that gives
+    one (see the module doc)."""
+    from posttrain.algorithms.base import decode_responses
+    from posttrain.models.loading import stop_token_ids
+    from posttrain.rollout import SamplingParams, build_rollout, engine_options
+
+    settings = cfg.preference
+    size = task_source.size(split)
+    if size is not None and size < count:
+        count = size  # a finite task: every prompt it has
+    engine = build_rollout(cfg.rollout.engine, **engine_options(cfg.rollout))
+    params = SamplingParams(max_new_tokens=cfg.data.max_response_tokens, temperature=settings.temperature)
+    n = settings.samples_per_prompt
+    generator = torch.Generator().manual_seed(settings.seed * len(SPLITS) + SPLITS.index(split))
+    rng = random.Random(f"{settings.seed}/{split}")  # the perturbed digits
+    pairs = []
+    was_training = policy.training
+    policy.eval()
+    for start in range(0, count, PROMPTS_PER_CALL):
+        examples = [task_source.example(split, i) for i in range(start, min(count, start + PROMPTS_PER_CALL))]
+        batch = collate_prompts(examples, tokenizer)
+        with torch.no_grad():
+            rollout = engine.generate(policy, batch["prompt_ids"].repeat_interleave(n, dim=0),
+                                      batch["prompt_mask"].repeat_interleave(n, dim=0), params,
+                                      eos_token_id=stop_token_ids(tokenizer, policy),
+                                      pad_token_id=tokenizer.pad_token_id, generator=generator)
+        texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask)
+        for offset, example in enumerate(examples):
+            pair = pair_for_prompt(example, texts[offset * n:(offset + 1) * n], task_source, rng)
+            if pair is not None:
+                pairs.append((start + offset, pair))
+    policy.train(was_training)
+    if len(pairs) < count:
+        log.warning(f"Preference pairs: {count - len(pairs)} of {count} {split} prompts gave no pair (no right and "
+                    f"wrong sample, and no digit in the reference answer to change)")
+    if not pairs:
+        raise DataError(f"no {split} preference pair could be made from the task (data.source={cfg.data.source}): "
+                        f"its reference answers have no digit to perturb and the policy's samples were all right "
+                        f"or all wrong; use preference.source=dataset")
+    return pairs
+
+
+def pair_for_prompt(example: Example, samples: list[str], task_source, rng: random.Random) -> PreferencePair | None:
+    """On-policy when the samples hold a right and a wrong response, else the reference against
+    a perturbed copy; None when neither can be made."""
+    verdicts = [task_source.is_correct(example, text) for text in samples]
+    if any(verdicts) and not all(verdicts):
+        chosen, rejected = samples[verdicts.index(True)], samples[verdicts.index(False)]
+        return PreferencePair(example.prompt, chosen, rejected, "on_policy", example.messages, example)
+    rejected = perturb_final_answer(example.response, rng, lambda text: not task_source.is_correct(example, text))
+    if rejected is None:
+        return None
+    return PreferencePair(example.prompt, example.response, rejected, "perturbed", example.messages, example)
+
+
+FINAL_NUMBER = re.compile(r"\d+(?!.*\d)", re.DOTALL)  # the last run of digits in a text
+
+
+def perturb_final_answer(response: str, rng: random.Random, is_wrong) -> str | None:
+    """`response` with one digit of its final number (the last run of digits) changed so that
+    `is_wrong` accepts it, or None if no single-digit change does. A leading digit never
+    becomes 0, so the result still reads as a number of the same length."""
+    match = FINAL_NUMBER.search(response)
+    if match is None:
+        return None
+    positions = list(range(match.start(), match.end()))
+    rng.shuffle(positions)
+    for position in positions:
+        leading = position == match.start() and match.end() - match.start() > 1
+        digits = [d for d in "0123456789" if d != response[position] and not (leading and d == "0")]
+        candidate = response[:position] + rng.choice(digits) + response[position + 1:]
+        if is_wrong(candidate):
+            return candidate
+    return None
+
+
+# --- dataset pairs -----------------------------------------------------------------------------
+
+COLUMNS = ("prompt", "chosen", "rejected")
+# The preference keys only preference.source=dataset reads.
+DATASET_KEYS = ("path", "config", "splits", "columns", "validation_size", "validation_seed", "chat")
+
+
+def read_pair_dataset(settings) -> dict[str, list[PreferencePair]]:
+    """The pairs of `preference.path` by split; without a validation split (preference.splits.validation
+    null), `validation_size` seeded-random training pairs are held out."""
+    from posttrain.data.hub import load_splits
+
+    try:
+        tables, name = load_splits(settings.path, settings.get("config"))
+    except DataError as err:  # the loaders name data.* keys: here the table is preference.path
+        raise DataError(str(err).replace("data.path", "preference.path").replace("data.config", "preference.config"))
+    pairs = {}
+    for split in SPLITS:
+        table_name = settings.splits.get(split)
+        if table_name is None:
+            continue
+        if table_name not in tables:
+            raise DataError(f"{name} has no split {table_name!r} (preference.splits.{split}); its splits are "
+                            f"{sorted(tables)}")
+        pairs[split] = read_pair_table(tables[table_name], f"{name} split {table_name!r}", settings)
+    if "train" not in pairs:
+        raise ConfigError("preference.splits.train must name the dataset's training split")
+    if "validation" not in pairs and settings.validation_size > 0:
+        pairs["train"], pairs["validation"] = hold_out(pairs["train"], settings.validation_size,
+                                                       settings.validation_seed, name)
+    return pairs
+
+
+def hold_out(pairs: list[PreferencePair], count: int, seed: int, name: str):
+    if count >= len(pairs):
+        raise DataError(f"preference.validation_size={count} leaves no training pairs: {name} has {len(pairs)}; "
+                        f"lower preference.validation_size")
+    held = set(random.Random(seed).sample(range(len(pairs)), count))
+    return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
+
+
+def read_pair_table(table, where: str, settings) -> list[PreferencePair]:
+    columns = {key: settings.columns.get(key) for key in COLUMNS}
+    for key in ("chosen", "rejected"):
+        if columns[key] not in table.column_names:
+            raise DataError(f"{where} has no column {columns[key]!r} (preference.columns.{key}); its columns are "
+                            f"{table.column_names}")
+    if len(table) == 0:
+        raise DataError(f"{where} holds no rows: an empty split")
+    has_prompt = columns["prompt"] in table.column_names
+    return [read_pair_row(row, f"{where} row {number}", columns, has_prompt, settings.chat, table.column_names)
+            for number, row in enumerate(table)]
+
+
+def read_pair_row(row: dict, where: str, columns: dict, has_prompt: bool, chat: bool, names) -> PreferencePair:
+    chosen_turns, chosen = response_of(row[columns["chosen"]], where, columns["chosen"], "chosen")
+    rejected_turns, rejected = response_of(row[columns["rejected"]], where, columns["rejected"], "rejected")
+    if chosen_turns is not None:  # a conversation carries its own prompt turns (a prompt column repeats them)
+        if rejected_turns is not None and rejected_turns != chosen_turns:
+            raise DataError(f"{where}: columns {columns['chosen']!r} and {columns['rejected']!r} are conversations "
+                            f"whose turns before the last differ; a pair answers one prompt")
+        return PreferencePair(last_user_content(chosen_turns), chosen, rejected, "dataset", chosen_turns)
+    if not has_prompt:
+        raise DataError(f"{where} has no column {columns['prompt']!r} (preference.columns.prompt), and column "
+                        f"{columns['chosen']!r} holds text, not a conversation, so the pair has no prompt; its "
+                        f"columns are {names}")
+    cell = row[columns["prompt"]]
+    messages = prompt_messages(cell, where, columns["prompt"], chat)
+    return PreferencePair(last_user_content(messages) if messages else cell, chosen, rejected, "dataset", messages)
+
+
+def response_of(cell, where: str, column: str, key: str) -> tuple[list[dict] | None, str]:
+    """(the prompt turns, the response) of a chosen / rejected cell: text is a response alone; a
+    conversation's last turn must be the assistant's, its earlier turns are the prompt."""
+    if isinstance(cell, str) and cell.strip():
+        return None, cell
+    if isinstance(cell, list):
+        turns = check_messages(cell, f"{where} column {column!r} (preference.columns.{key})")
+        if turns[-1]["role"] != "assistant" or len(turns) < 2:
+            raise DataError(f"{where}: column {column!r} (preference.columns.{key}) is a conversation that does not "
+                            f"end with an assistant turn after the prompt")
+        return turns[:-1], turns[-1]["content"]
+    raise DataError(f"{where}: column {column!r} (preference.columns.{key}) must be a non-empty string or a list "
+                    f"of chat messages, got {cell!r:.80}")
+
+
+def prompt_messages(cell, where: str, column: str, chat: bool) -> list[dict] | None:
+    """A prompt cell as chat messages: given as messages, or text wrapped in a user turn with
+    `chat`; None for a plain-text prompt."""
+    if isinstance(cell, list):
+        return check_messages(cell, f"{where} column {column!r} (preference.columns.prompt)")
+    if not isinstance(cell, str) or not cell.strip():
+        raise DataError(f"{where}: column {column!r} (preference.columns.prompt) must be a non-empty string or a "
+                        f"list of chat messages, got {cell!r:.80}")
+    return [{"role": "user", "content": cell}] if chat else None

@@ -1,0 +1,214 @@
+"""Learned rewards: a Bradley–Terry reward model (or an ensemble of them) scoring online-RL samples.
+
+    reward=reward_model reward.path=<dir>                 # one model
+    reward=reward_model reward.paths=[<dir1>,<dir2>]      # an ensemble: mean - std_coef * std
+
+A reward model directory is a Hugging Face `AutoModelForSequenceClassification` export with
+one label and a pad token (what `algorithm=reward_model` writes). It is loaded once, frozen,
+in eval mode, on the policy's device, and scores `prompt + response (+ EOS)` laid out the way
+SFT and preference training saw them (data/datamodule.py): the prompt rendered with the chat
+template when the task is chat-form, the response's tokens, and EOS when the response ended
+(a truncated one never did, so it gets none).
+
+An ensemble (Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization")
+scores each sample by every model and returns mean - k * std over the models, k =
+`std_coef`: the policy gains less where the models disagree. The spread is logged as
+`rewards/reward_model/std`, each model's mean as `rewards/reward_model/model<i>/mean`.
+
+Over-optimisation: a scorer marked `learned` also scores the greedy held-out responses at each
+evaluation (`eval/proxy_reward`, beside `eval/accuracy`; algorithms/base.py), so the point
+where the proxy keeps rising while the verifiable accuracy stalls or falls is visible.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from posttrain.core import ensemble_lower_bound
+from posttrain.data.datamodule import prompt_text, prompt_token_ids
+from posttrain.errors import ConfigError
+from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, first_line_of
+from posttrain.rewards.base import ScoredSample
+
+KEY = "reward.components.reward_model"
+
+
+def learned_scorers(reward_fn) -> list:
+    """The components of a composite reward that a learned model scores (`learned = True`)."""
+    return [fn for fn, _ in getattr(reward_fn, "components", []) if getattr(fn, "learned", False)]
+
+
+class RewardModelScorer:
+    """`reward.components.reward_model`: the score of one reward model, or an ensemble's
+    mean - std_coef * std. `policy` and `tokenizer` are the run's, supplied by `build_reward`
+    (the policy's device is where the models run; its tokenizer, with `share_tokenizer`)."""
+
+    name = "reward_model"
+    learned = True  # held-out evaluation logs its score as eval/proxy_reward
+
+    def __init__(self, path: str | None = None, paths: list[str] | None = None, std_coef: float = 1.0,
+                 batch_size: int = 16, share_tokenizer: bool = False, *, policy=None, tokenizer=None):
+        if (path is None) == (not paths):
+            raise ConfigError(f"{KEY} needs exactly one of path (one reward model; reward.path) or paths (an "
+                              f"ensemble; reward.paths), got path={path!r}, paths={paths!r}")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ConfigError(f"{KEY}.batch_size={batch_size!r} must be a positive integer")
+        if isinstance(std_coef, bool) or not isinstance(std_coef, (int, float)) or not std_coef >= 0:
+            raise ConfigError(f"{KEY}.std_coef={std_coef!r} must be a number >= 0")
+        keyed = [(f"{KEY}.path", path)] if path is not None else [(f"{KEY}.paths[{i}]", p) for i, p in enumerate(paths)]
+        for key, directory in keyed:
+            check_reward_model_dir(directory, key)
+        self.keyed_paths = keyed
+        self.std_coef, self.batch_size = float(std_coef), batch_size
+        self.share_tokenizer = share_tokenizer
+        self.policy = policy
+        self.policy_tokenizer = tokenizer
+        if share_tokenizer and tokenizer is not None:
+            for key, directory in keyed:
+                check_same_vocabulary(directory, key, tokenizer)
+        self._models: list | None = None      # loaded on the first call: a config check builds none
+        self._tokenizers: list | None = None
+        self._metrics: dict[str, float] = {}
+
+    # --- loading -------------------------------------------------------------------------------
+    def device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        if self.policy is None:
+            return torch.device("cpu"), torch.float32
+        weight = next(self.policy.parameters())
+        return weight.device, weight.dtype
+
+    def models(self) -> list:
+        """The frozen models, loaded once and kept on the policy's (current) device."""
+        device, dtype = self.device_and_dtype()
+        if self._models is None:
+            self._models = [load_reward_model(directory, key, dtype) for key, directory in self.keyed_paths]
+            if self.share_tokenizer and self.policy_tokenizer is None:
+                raise ConfigError(f"{KEY}.share_tokenizer=true, but no policy tokenizer was given to share")
+            self._tokenizers = [self.policy_tokenizer if self.share_tokenizer else load_tokenizer(directory, key)
+                                for key, directory in self.keyed_paths]
+            for model, tokenizer, (key, directory) in zip(self._models, self._tokenizers, self.keyed_paths):
+                check_vocabulary_fits(tokenizer, model, f"{key}={directory!r}")
+        if self._models[0].device != device:  # Lightning moved the policy (to the GPU) after the build
+            self._models = [model.to(device) for model in self._models]
+        return self._models
+
+    # --- scoring -------------------------------------------------------------------------------
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        models = self.models()
+        per_model = torch.stack([self.score_with(model, tokenizer, samples)
+                                 for model, tokenizer in zip(models, self._tokenizers)])
+        scores, spread = ensemble_lower_bound(per_model, self.std_coef)
+        if len(models) > 1:  # one model's mean is rewards/reward_model/mean already
+            self._metrics = {f"rewards/{self.name}/model{i}/mean": float(row.mean()) for i, row in enumerate(per_model)}
+            self._metrics[f"rewards/{self.name}/std"] = float(spread.mean())
+        return scores
+
+    def take_metrics(self) -> dict[str, float]:
+        """The per-model means (and the ensemble's spread) of the last call, for the composite to log."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    @torch.no_grad()
+    def score_with(self, model, tokenizer, samples: Sequence[ScoredSample]) -> torch.Tensor:
+        """[B] float32 scores of one model, `batch_size` rows per forward."""
+        rows = [self.token_row(tokenizer, sample) for sample in samples]
+        pad_id = model.config.pad_token_id
+        scores = []
+        for start in range(0, len(rows), self.batch_size):
+            input_ids, attention_mask = right_padded(rows[start:start + self.batch_size], pad_id, model.device)
+            scores.append(model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float().cpu())
+        return torch.cat(scores) if scores else torch.zeros(0)
+
+    def token_row(self, tokenizer, sample: ScoredSample) -> list[int]:
+        """prompt + response (+ EOS when the response ended), as SFT's collate_sft lays it out.
+        The policy's own prompt ids (truncated to fit, if they were) only with its tokenizer."""
+        example = sample.example
+        if self.share_tokenizer:
+            prompt = prompt_token_ids(example, tokenizer)
+        else:
+            prompt = tokenizer(prompt_text(example, tokenizer), add_special_tokens=False)["input_ids"]
+        response = tokenizer(sample.response, add_special_tokens=False)["input_ids"]
+        return prompt + response + ([] if sample.truncated else [tokenizer.eos_token_id])
+
+
+def right_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] ids right-padded with `pad_id` and their attention mask: the sequence classifier
+    reads its score at each row's last non-pad token."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, :len(row)] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+# --- checks and loading of a reward model directory -------------------------------------------------
+
+def check_reward_model_dir(directory, key: str) -> None:
+    """Refuse, from config.json alone, what is not a one-label sequence classifier with a pad token."""
+    if not isinstance(directory, str) or not directory:
+        raise ConfigError(f"{key}={directory!r} must be a reward model directory (a path)")
+    config_file = Path(directory).expanduser() / "config.json"
+    if not Path(directory).expanduser().is_dir():
+        raise ConfigError(f"{key}={directory!r}: no such directory (a reward model exported by "
+                          f"algorithm=reward_model: its run dir's hf_model)")
+    if not config_file.is_file():
+        raise ConfigError(f"{key}={directory!r} holds no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}={directory!r}: {config_file} is not readable JSON: {err}") from None
+    architectures = config.get("architectures") or []
+    # a config without id2label has transformers' default of two labels
+    num_labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
+    if not any(a.endswith("ForSequenceClassification") for a in architectures) or num_labels != 1:
+        raise ConfigError(f"{key}={directory!r} is not a reward model: expected a sequence-classification model "
+                          f"with one label (AutoModelForSequenceClassification, num_labels=1), found "
+                          f"architectures={architectures}, num_labels={num_labels}")
+    if config.get("pad_token_id") is None:
+        raise ConfigError(f"{key}={directory!r}: config.json sets no pad_token_id, so the model cannot find the "
+                          f"last token of a padded row; set it to the tokenizer's pad id")
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any((Path(directory).expanduser() / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(directory: str, key: str):
+    from transformers import AutoTokenizer
+
+    if not has_tokenizer(directory):
+        raise ConfigError(f"{key}={directory!r} holds no tokenizer (looked for {', '.join(TOKENIZER_FILES)}); save "
+                          f"it there, or set {KEY}.share_tokenizer=true to use the policy's")
+    return AutoTokenizer.from_pretrained(str(Path(directory).expanduser()))
+
+
+def check_same_vocabulary(directory: str, key: str, policy_tokenizer) -> None:
+    """With share_tokenizer the rows are the policy's tokens: the reward model must have learned
+    the same ids (its own tokenizer, where it has one, has the policy's vocabulary)."""
+    if not has_tokenizer(directory):
+        return
+    own = load_tokenizer(directory, key).get_vocab()
+    theirs = policy_tokenizer.get_vocab()
+    if own != theirs:
+        differing = sorted(set(own.items()) ^ set(theirs.items()))[:3]
+        raise ConfigError(f"{key}={directory!r}: {KEY}.share_tokenizer=true, but the reward model's tokenizer "
+                          f"({len(own)} tokens) differs from the policy's ({len(theirs)} tokens), e.g. {differing}; "
+                          f"set share_tokenizer=false to tokenise with the reward model's own tokenizer")
+
+
+def load_reward_model(directory: str, key: str, dtype: torch.dtype):
+    """The frozen sequence classifier of `directory`, in eval mode, without gradients."""
+    from transformers import AutoModelForSequenceClassification
+
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(str(Path(directory).expanduser()), dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}={directory!r} could not be loaded as a sequence-classification model: "
+                          f"{first_line_of(err)}") from None
+    return model.requires_grad_(False).eval()
