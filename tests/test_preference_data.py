@@ -16,7 +16,7 @@ from posttrain.data.arithmetic import verify_answer
 from posttrain.data.datamodule import ExampleStream, collate_sft
 from posttrain.data.preference import (PreferencePair, build_preference_source, collate_pairs, pair_for_prompt,
                                        perturb_final_answer)
-from posttrain.data.sources import ArithmeticSource, Example
+from posttrain.data.sources import ArithmeticSource
 from posttrain.errors import DataError
 from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.rollout import RolloutBatch

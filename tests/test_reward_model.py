@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import compose_config
-from posttrain.algorithms.reward_model import RewardModelModule, sequence_classifier
+from posttrain.algorithms.reward_model import RewardModelModule
 from posttrain.config_checks import check_config
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.data.preference import PreferencePair, PreferenceSource, collate_pairs
