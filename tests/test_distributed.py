@@ -157,7 +157,9 @@ def test_rank_0_of_a_torchrun_job_trains_the_warm_start_once_and_every_rank_star
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert output.count("Warm start: SFT for 4 steps") == 1, output[-3000:]  # trained once, by one rank
-    assert output.count("Warm start: rank 1 of 2 waits for rank 0") == 1, output[-3000:]
+    # rank 1 waited for rank 0, unless it reached the cache after rank 0's 4 steps were done (a
+    # race the scheduler decides: the waiting itself is test_ranks_of_a_job_wait_for_rank_0_...)
+    assert output.count("Warm start: rank 1 of 2 waits for rank 0") <= 1, output[-3000:]
     (entry,) = (tmp_path / "cache" / "warm_start").iterdir()  # one entry; no lock file or scratch left
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["global_step"] == 1 and summary["warm_start"] == str(entry / "hf_model")
