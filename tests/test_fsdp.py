@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401 - torch.distributed.checkpoint.FileSystemReader below
 import torch.multiprocessing as mp
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -105,6 +106,7 @@ def fit_worker(rank, world, port, cfg_dict, out_dir, ckpt_path):
         torch.save({"records": records, "weights": weights, "start_weights": started.get("weights"),
                     "generation": generation, "sharded": sharded, "global_step": trainer.global_step},
                    out_dir / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears the group down while another still talks to it (an abort at exit)
     finally:
         dist.destroy_process_group()
 
