@@ -115,15 +115,21 @@ def collate_sft(examples: list[Example], tokenizer) -> dict:
         response = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + response)
         labels.append([-100] * len(prompt) + response)
+    input_ids, attention_mask, label_ids = right_padded(rows, labels, tokenizer.pad_token_id)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": label_ids}
+
+
+def right_padded(rows: list[list[int]], labels: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids, attention_mask, labels) [B, T] of token rows padded on the right (labels with -100)."""
     width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     label_ids = torch.full((len(rows), width), -100, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (row, label) in enumerate(zip(rows, labels)):
         input_ids[i, : len(row)] = torch.tensor(row)
         label_ids[i, : len(row)] = torch.tensor(label)
         attention_mask[i, : len(row)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": label_ids}
+    return input_ids, attention_mask, label_ids
 
 
 def collate_prompts(examples: list[Example], tokenizer) -> dict:

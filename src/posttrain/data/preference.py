@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from posttrain.data.datamodule import collate_prompts, prompt_token_ids
+from posttrain.data.datamodule import collate_prompts, prompt_token_ids, right_padded
 from posttrain.data.sources import Example
 from posttrain.data.templates import check_messages, last_user_content
 from posttrain.errors import ConfigError, DataError
@@ -58,18 +58,6 @@ class PreferencePair:
 
 # --- collation ------------------------------------------------------------------------------
 
-def _right_padded(rows: list[list[int]], labels: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    label_ids = torch.full((len(rows), width), -100, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (row, label) in enumerate(zip(rows, labels)):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        label_ids[i, : len(row)] = torch.tensor(label)
-        attention_mask[i, : len(row)] = 1
-    return input_ids, attention_mask, label_ids
-
-
 def pair_prompt_ids(pair: PreferencePair, tokenizer) -> list[int]:
     """The prompt's token ids exactly as SFT and generation make them (chat template or text)."""
     example = pair.example or Example(pair.prompt, "", None, messages=pair.messages)
@@ -89,7 +77,7 @@ def collate_pairs(pairs: list[PreferencePair], tokenizer) -> dict:
         responses = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
         rows = [prompt + response for prompt, response in zip(prompts, responses)]
         labels = [[-100] * len(prompt) + response for prompt, response in zip(prompts, responses)]
-        input_ids, attention_mask, label_ids = _right_padded(rows, labels, tokenizer.pad_token_id)
+        input_ids, attention_mask, label_ids = right_padded(rows, labels, tokenizer.pad_token_id)
         batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"] = input_ids, attention_mask
         batch[f"{side}_labels"] = label_ids
         batch[f"{side}_len"] = torch.tensor([len(r) for r in responses], dtype=torch.long)
