@@ -210,6 +210,7 @@ SPECS: dict[str, Spec] = {
     "roles.*.dtype": optional(choice(*DTYPES)).about("null: the policy's"),
     "roles.*.trainable": boolean(),
     "roles.critic.shared_backbone": boolean(),
+    "teacher": optional(text()).about("an HF directory, a checkpoint or run directory, or tiny_concise / tiny_verbose"),
 
     # --- trainer: Lightning Trainer arguments; keys not listed here are Lightning's to check ---
     "trainer._target_": text(),
