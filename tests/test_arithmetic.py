@@ -1,5 +1,9 @@
 from posttrain.data import arithmetic
+import pytest
+
 from posttrain.data.arithmetic import ArithmeticTask, Problem, matches_style, verify_answer, verify_steps
+from posttrain.data.sources import ArithmeticSource
+from posttrain.errors import ConfigError
 
 
 def test_solutions_in_both_styles():
@@ -59,3 +63,35 @@ def test_style_matcher():
     assert matches_style("532", "concise") and not matches_style("5+3=8>8", "concise")
     assert matches_style("7+5=12,4+8+1=13,3+1+1=5>532", "verbose")
     assert not matches_style("532", "verbose") and not matches_style("7+5=12,>532", "verbose")
+    # mixed: either form, nothing else
+    assert matches_style("532", "mixed") and matches_style("7+5=12,4+8+1=13,3+1+1=5>532", "mixed")
+    assert not matches_style("", "mixed") and not matches_style("7+5=12,>532", "mixed")
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.7, 1.0])
+def test_mixed_style_gives_each_problem_one_form_at_the_verbose_share(share):
+    source = ArithmeticSource(min_digits=2, max_digits=3, style="mixed", seed=1, verbose_share=share)
+    for split, count in (("train", 2000), ("validation", 1000)):
+        examples = [source.example(split, i) for i in range(count)]
+        verbose = [matches_style(e.response, "verbose") for e in examples]
+        assert all(v or matches_style(e.response, "concise") for v, e in zip(verbose, examples))
+        assert all(verify_answer(e.prompt, e.response) and source.has_style(e.response) for e in examples)
+        # binomial std at n=1000 is at most 0.016: 0.05 is over 3 sigma
+        assert abs(sum(verbose) / count - share) <= 0.05, (split, sum(verbose) / count)
+
+
+def test_mixed_style_is_a_function_of_the_prompt():
+    a = ArithmeticSource(min_digits=1, max_digits=1, style="mixed", seed=0, verbose_share=0.5)
+    b = ArithmeticSource(min_digits=1, max_digits=1, style="mixed", seed=5, verbose_share=0.5)
+    first = {e.prompt: e.response for e in (a.example("train", i) for i in range(300))}
+    # another seed, drawn in another order: a prompt it shares gets the same reference solution
+    shared = [e for e in (b.example("train", i) for i in range(300)) if e.prompt in first]
+    assert len(shared) > 100 and all(first[e.prompt] == e.response for e in shared)
+    # and a resumed stream (index 150 on) is the same as the uninterrupted one
+    assert [a.example("train", i) for i in range(150, 160)] == \
+        [ArithmeticSource(1, 1, style="mixed", seed=0, verbose_share=0.5).example("train", i) for i in range(150, 160)]
+
+
+def test_mixed_style_share_is_checked():
+    with pytest.raises(ConfigError, match="data.verbose_share"):
+        ArithmeticSource(style="mixed", verbose_share=1.5)

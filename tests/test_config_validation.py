@@ -31,6 +31,8 @@ CONTEXT = {
     ("model", "hf"): ("model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct",),
     ("data", "jsonl"): ("data.files.train=train.jsonl", "data.files.validation=validation.jsonl"),
     ("data", "prompt_answer"): ("data.path=prompts.jsonl",),
+    ("algorithm", "opd"): ("roles.teacher.init_from=policy",),   # a teacher: here a copy of the policy
+    ("algorithm", "kdrl"): ("roles.teacher.init_from=policy",),
 }
 ONLINE_CONTEXT = ("algorithm=grpo",)
 # Options no algorithm can run yet, with the reason their refusal gives.
@@ -205,6 +207,13 @@ def test_minibatches_must_split_the_rollout_batch():
     (("model.num_kv_heads=3",), "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
     (("model.hidden_size=120", "model.num_heads=8", "model.num_kv_heads=8"), "even head size"),
     (("algorithm=grpo", "+trainer.accumulate_grad_batches=2"), "algorithm.micro_batch_size"),
+    (("algorithm=opd",), "algorithm=opd distils from a teacher, but none is configured"),
+    (("algorithm=grpo", "teacher=tiny_concise"), "teacher=tiny_concise is set, but algorithm=grpo does not read"),
+    (("algorithm=long2short", "teacher=tiny_verbose"), "algorithm.distill.coef=0"),
+    (("algorithm=opd", "teacher=tiny_concise", "algorithm.critic={}", "advantage=gae"),
+     "algorithm.distill.mode=reward adds each token's distillation reward"),
+    (("algorithm=kdrl", "teacher=tiny_concise", "algorithm.distill.coef_schedule.steps=0"),
+     "algorithm.distill.coef_schedule.steps=0"),
 ])
 def test_a_bad_combination_is_named(overrides, named):
     assert named in refusal(*overrides)

@@ -13,7 +13,7 @@ from posttrain.train import build_module, run
 
 from conftest import EASY_TASK, FAST_RUN, module_from_config
 
-PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "ppo"]
+PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "kimi", "ppo"]
 
 
 def rl_config(make_config, sft_start, *overrides, output_dir=None):

@@ -28,12 +28,12 @@ from conftest import EASY_TASK, FAST_RUN, compose_config
 SOURCE = ArithmeticSource(style="concise", min_digits=2, max_digits=2)
 
 
-def make_reward_model_dir(directory: Path, tokenizer, seed: int) -> Path:
-    """A tiny one-label Qwen2 sequence classifier over `tokenizer`, saved with it."""
+def make_reward_model_dir(directory: Path, tokenizer, seed: int, context: int = 128) -> Path:
+    """A tiny one-label Qwen2 sequence classifier over `tokenizer` with `context` positions, saved with it."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=context,
                          num_labels=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = Qwen2ForSequenceClassification(config)
@@ -83,6 +83,25 @@ def test_scores_are_the_models_own_forward_on_prompt_response_eos(reward_dirs, c
             + ([] if s.truncated else [char_tokenizer.eos_token_id]) for s in batch]
     assert torch.allclose(scores, own_forward(reward_dirs[0], rows), atol=1e-5)
     assert scores.shape == (len(batch),) and scores.std() > 0.01  # distinct scores: the test can tell rows apart
+
+
+def test_rows_longer_than_the_reward_models_context_keep_their_end_and_are_counted(tmp_path, char_tokenizer):
+    """prompt + response past the model's positions: the prompt's start is dropped (the score is
+    read at the last token, the response's end), never a crash; the share cut is logged."""
+    context = 12
+    directory = make_reward_model_dir(tmp_path / "short_rm", char_tokenizer, seed=0, context=context)
+    batch = samples()
+    rows = [char_tokenizer(s.example.prompt + s.response, add_special_tokens=False)["input_ids"]
+            + ([] if s.truncated else [char_tokenizer.eos_token_id]) for s in batch]
+    long_rows = [len(row) > context for row in rows]
+    assert 0 < sum(long_rows) < len(rows)  # some rows fit, some do not
+    scorer = RewardModelScorer(path=str(directory), batch_size=4)
+    scores = scorer(batch, SOURCE)
+    assert torch.allclose(scores, own_forward(directory, [row[-context:] for row in rows]), atol=1e-5)
+    assert scorer.take_metrics() == {"rewards/reward_model/truncated_frac": sum(long_rows) / len(rows)}
+    short = [s for s, long in zip(batch, long_rows) if not long]
+    scorer(short, SOURCE)
+    assert scorer.take_metrics() == {}  # nothing cut: nothing to report
 
 
 def test_batch_size_does_not_change_the_scores(reward_dirs):

@@ -250,3 +250,50 @@ def test_a_conversation_must_end_with_the_assistant(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"chosen": turns, "rejected": turns}] * 2)
     with pytest.raises(DataError, match=r"row 0: column 'chosen' .*does not end with an assistant turn"):
         dataset_source(tmp_path, path, "preference.validation_size=0")
+
+
+def test_only_rank_0_of_a_job_writes_the_pair_cache(tmp_path, monkeypatch):
+    """Every rank of a data-parallel job makes the same embedded pairs (the same seeds), but
+    only rank 0 writes files: the other ranks leave the cache alone."""
+    from posttrain.warm_start import RANK_VARIABLES
+
+    cfg = pair_config(tmp_path, "preference.num_train_pairs=8", "preference.num_validation_pairs=4",
+                      "preference.samples_per_prompt=2")
+    task, tokenizer, policy = task_and_model(cfg)
+    use_engine(monkeypatch, HalfRightEngine(tokenizer, samples_per_prompt=2, right=1))
+    for names in RANK_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    second = build_preference_source(cfg, task, tokenizer, policy)
+    assert not (tmp_path / "preference_pairs").exists()
+    monkeypatch.setenv("RANK", "0")
+    first = build_preference_source(cfg, task, tokenizer, policy)
+    assert len(list((tmp_path / "preference_pairs").glob("*.json"))) == 1
+    assert [(p.prompt, p.chosen, p.rejected) for p in first.pairs("train")] == \
+           [(p.prompt, p.chosen, p.rejected) for p in second.pairs("train")]
+
+
+def test_a_pair_longer_than_the_models_context_is_named_before_training(tmp_path, tiny_hf_model):
+    """A conversation pair (the UltraFeedback / HH layout) whose prompt + response + EOS does not
+    fit the model's context: a DataError naming the file and row, not a crash in the model."""
+    from transformers import AutoTokenizer
+
+    def conversation(answer):
+        return [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": answer}]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model("qwen2"))
+    rows = [{"chosen": conversation("4"), "rejected": conversation("5")} for _ in range(6)]
+    path = write_jsonl(tmp_path / "ultrafeedback.jsonl", rows)
+    cfg = pair_config(tmp_path, "preference.source=dataset", f"preference.path={path}", "preference.validation_size=2")
+    fitting = collate_pairs(build_preference_source(cfg, ArithmeticSource(), None, None).pairs("train"), tokenizer)
+    tokenizer.model_max_length = fitting["chosen_input_ids"].shape[1] + 4  # where the loader records the context
+    build_preference_source(cfg, ArithmeticSource(), tokenizer, None)  # every pair fits
+
+    rows[4]["rejected"] = conversation("four " * 10)
+    write_jsonl(path, rows)
+    with pytest.raises(DataError, match=r"ultrafeedback\.jsonl .*row 4: prompt \(\d+ tokens\) \+ rejected response "
+                                        r"\(\d+ tokens\) \+ EOS is \d+ tokens, more than the model's context of "
+                                        rf"{tokenizer.model_max_length} tokens.*1 of the \d (train|validation) pairs"):
+        build_preference_source(cfg, ArithmeticSource(), tokenizer, None)

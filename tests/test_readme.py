@@ -58,6 +58,8 @@ def with_budget(arguments: list[str], log_dir: Path) -> list[str]:
     if not any(a.startswith(OFFLINE) for a in arguments) and any(
             a.startswith(("algorithm=", "experiment=")) for a in arguments):
         budget += ONLINE_BUDGET
+    if any(a.startswith("teacher=tiny_") for a in arguments):
+        budget += ["teacher_recipe.steps=5", "teacher_recipe.until_accuracy=null"]  # an embedded teacher recipe
     if any(a.startswith("resume=") for a in arguments):
         budget = ["trainer.max_steps=4"]  # its own overrides come back; only extend it
     if "hydra/launcher=slurm" in arguments:

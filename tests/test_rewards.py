@@ -313,6 +313,7 @@ def test_bad_top_level_config_is_a_config_error():
 
 EXPECTED_COMPONENTS = {
     "accuracy": ["accuracy"],
+    "repetition": ["accuracy", "repetition"],
     "format": ["accuracy", "format"],
     "overlong": ["accuracy", "overlong"],
     "length_penalty": ["accuracy", "length_penalty"],

@@ -501,3 +501,119 @@ def test_rollout_batch_helpers(qwen):
     assert moved.response_lengths().tolist() == [3, 3]
     assert out.prompt_ids.shape == (2, 4) and out.prompt_mask.dtype == torch.long
     assert torch.equal(moved.support_size, out.support_size)
+
+
+# ---------------------------------------------------------------- 7. repetition: looping rows stop
+
+
+def _successor_model(successor: dict[int, int], vocab: int = 12):
+    """A Qwen2 whose greedy next token is ``successor[last token]``: the attention and MLP
+    outputs are zeroed (the residual stream is the last token's embedding) and the untied LM
+    head's row for ``successor[t]`` is t's embedding, scaled up. Never produces EOS (1)."""
+    config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    model = _init(transformers.Qwen2ForCausalLM, config, seed=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        embed.copy_(torch.linalg.qr(torch.randn(32, vocab, generator=torch.Generator().manual_seed(0)))[0].t())
+        head = torch.zeros_like(model.lm_head.weight)
+        for token, nxt in successor.items():
+            head[nxt] = 50.0 * embed[token]
+        model.lm_head.weight.copy_(head)
+    return model
+
+
+# prompt's last token -> the loop the model falls into: period 1 (7 7 7), 2 (3 2 3 2), 3 (5 6 4 5 6 4)
+LOOPS = {7: 7, 2: 3, 3: 2, 4: 5, 5: 6, 6: 4}
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_looping_rows_are_stopped_and_flagged(name):
+    from posttrain.rollout.repetition import RepetitionRule
+
+    model = _successor_model(LOOPS)
+    prompt, mask = _left_padded(12, (0, 1, 0), 3)
+    prompt[:, -1] = torch.tensor([7, 2, 4])  # periods 1, 2, 3
+    engine = build_rollout(name)
+    plain = engine.generate(model, prompt, mask, SamplingParams(max_new_tokens=16, greedy=True), 1, 0)
+    assert plain.truncated.all() and not plain.repeated.any()
+    assert plain.response_ids[:, :3].tolist() == [[7, 7, 7], [3, 2, 3], [5, 6, 4]]
+    rule = RepetitionRule(ngram=3, window=6)
+    out = engine.generate(model, prompt, mask, SamplingParams(max_new_tokens=16, greedy=True, repetition=rule), 1, 0)
+    # each row loops from its first token: stopped once the 6-token window is full, no EOS
+    assert out.repeated.all() and not out.truncated.any()
+    assert out.response_lengths().tolist() == [6, 6, 6]
+    assert torch.equal(out.response_ids[:, :6], plain.response_ids[:, :6]) and (out.response_ids[:, 6:] == 0).all()
+    assert (out.logprobs[:, 6:] == 0).all()
+    # a period-3 loop is longer than ngram=2: that row runs to the budget
+    short = engine.generate(model, prompt, mask,
+                            SamplingParams(max_new_tokens=16, greedy=True, repetition=RepetitionRule(2, 6)), 1, 0)
+    assert short.repeated.tolist() == [True, True, False] and short.truncated.tolist() == [False, False, True]
+    assert short.response_lengths().tolist() == [6, 6, 16]
+
+
+@pytest.mark.parametrize("use_functional", [True, False])
+def test_fast_samples_no_further_once_every_row_loops(monkeypatch, use_functional):
+    """fast stops sampling when every row is looping (window - 1 decode steps after the
+    prefill), where without the check it runs the whole budget."""
+    from posttrain.rollout import fast
+    from posttrain.rollout.repetition import RepetitionRule
+
+    model = _successor_model(LOOPS)
+    prompt, mask = _left_padded(12, (0, 0), 3)
+    prompt[:, -1] = torch.tensor([7, 2])
+    calls = []
+    stepper = fast.FunctionalDecoder if use_functional else fast._HFStepper
+    original = stepper.step
+    monkeypatch.setattr(stepper, "step", lambda self, token: calls.append(1) or original(self, token))
+    sampler = FastSampler(use_functional=use_functional)
+    for rule, expected_steps in ((RepetitionRule(2, 5), 4), (None, 19)):
+        calls.clear()
+        params = SamplingParams(max_new_tokens=20, temperature=1.0, repetition=rule)
+        out = sampler.generate(model, prompt, mask, params, 1, 0, generator=torch.Generator().manual_seed(0))
+        assert len(calls) == expected_steps
+        assert out.repeated.tolist() == [rule is not None] * 2
+
+
+def test_fast_and_hf_cut_and_flag_the_same_rows(peaked):
+    """Greedy decoding on a small vocabulary falls into loops of several periods at different
+    steps, or ends with EOS: fast (stopping as it samples) and hf (cut after generate) agree
+    on every token, mask and flag."""
+    from posttrain.rollout.repetition import RepetitionRule
+
+    prompt, mask = _left_padded(8, (0, 1, 2, 0, 0, 1, 0, 0), 4, seed=5)
+    params = SamplingParams(max_new_tokens=24, greedy=True, repetition=RepetitionRule(ngram=4, window=8))
+    outs = [build_rollout(name).generate(peaked, prompt, mask, params, eos_token_id=2, pad_token_id=0)
+            for name in ENGINES]
+    for field in ("response_ids", "response_mask", "repeated", "truncated"):
+        assert torch.equal(getattr(outs[0], field), getattr(outs[1], field)), field
+    torch.testing.assert_close(outs[0].logprobs, outs[1].logprobs, atol=1e-4, rtol=0)
+    repeated, lengths = outs[0].repeated, outs[0].response_lengths()
+    assert repeated.any() and (~repeated).any()
+    assert len(set(lengths[repeated].tolist())) > 1  # loops found at different steps
+
+
+def test_vllm_outputs_are_cut_where_fast_would_stop():
+    """vLLM cannot stop a looping row: its finished tokens are cut post hoc by the same check."""
+    from types import SimpleNamespace
+
+    from posttrain.rollout.repetition import RepetitionRule
+    from posttrain.rollout.vllm import rollout_from_outputs
+
+    def completion(token_ids, reason):
+        logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in token_ids]
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, finish_reason=reason, logprobs=logprobs)])
+
+    outputs = [completion([4, 3, 5, 3, 5, 3, 5, 3, 5, 3], "length"),  # period 2 from its second token
+               completion([4, 3, 5, 3, 5, 2], "stop"),  # EOS before the window fills
+               completion([4, 5, 6, 7, 8, 4, 5, 6, 7, 8], "length")]  # period 5 > ngram
+    prompt_ids, prompt_mask = torch.tensor([[6, 7]] * 3), torch.ones(3, 2, dtype=torch.long)
+    out = rollout_from_outputs(outputs, prompt_ids, prompt_mask, 10, torch.tensor([2]), 0, True,
+                               repetition=RepetitionRule(ngram=2, window=6))
+    assert out.repeated.tolist() == [True, False, False] and out.truncated.tolist() == [False, False, True]
+    assert out.response_lengths().tolist() == [7, 6, 10]  # tokens 1..6 are 3 5 3 5 3 5
+    assert out.response_ids[0].tolist() == [4, 3, 5, 3, 5, 3, 5, 0, 0, 0]

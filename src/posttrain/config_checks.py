@@ -30,9 +30,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from posttrain.core.advantages import ADVANTAGE_ESTIMATORS, SCALE_MODES, SINGLETON_MODES
 from posttrain.core.aggregation import AGGREGATION_MODES
+from posttrain.core.distill import DISTILL_DIVERGENCES, KDRL_ESTIMATORS
 from posttrain.core.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from posttrain.core.policy_loss import POLICY_LOSSES, RATIO_LEVELS
 from posttrain.core.preference import PREFERENCE_LOSSES
+from posttrain.core.schedules import SCHEDULES
 from posttrain.data.arithmetic import SPLITS, STYLES
 from posttrain.data.curriculum import CURRICULA
 from posttrain.data.hub import REQUIRED_COLUMNS
@@ -211,6 +213,21 @@ SPECS: dict[str, Spec] = {
     "roles.*.trainable": boolean(),
     "roles.critic.shared_backbone": boolean(),
     "teacher": optional(text()).about("an HF directory, a checkpoint or run directory, or tiny_concise / tiny_verbose"),
+    "teacher_recipe.model": mapping("{hidden_size: 256, num_layers: 4}").about("overrides of conf/model/tiny.yaml"),
+    "teacher_recipe.model.hidden_size": integer(1),
+    "teacher_recipe.model.num_layers": integer(1),
+    "teacher_recipe.model.num_heads": integer(1),
+    "teacher_recipe.model.intermediate_size": integer(1),
+    # further keys of conf/model/tiny.yaml (+teacher_recipe.model.architecture=llama): checked
+    # as model.<key> when the recipe's SFT run starts
+    "teacher_recipe.model.*": anything(),
+    "teacher_recipe.steps": integer(1).about("SFT steps, or their cap with until_accuracy"),
+    "teacher_recipe.until_accuracy": optional(number(0, 1, low_open=True)).about("held-out greedy accuracy to "
+                                                                                 "stop at; null: all steps"),
+    "teacher_recipe.eval_every": integer(1).about("SFT steps between held-out evaluations"),
+    "teacher_recipe.lr": POSITIVE.about("learning rate"),
+    "teacher_recipe.batch_size": integer(1),
+    "teacher_recipe.seed": SEED,
 
     # --- trainer: Lightning Trainer arguments; keys not listed here are Lightning's to check ---
     "trainer._target_": text(),
@@ -275,6 +292,7 @@ SPECS: dict[str, Spec] = {
     "algorithm.ratio_level": choice(*RATIO_LEVELS),
     "algorithm.tau_pos": POSITIVE,
     "algorithm.tau_neg": POSITIVE,
+    "algorithm.kimi_tau": POSITIVE.about("kimi: weight of the pull towards pi_old"),
     "algorithm.loss_agg_mode": choice(*AGGREGATION_MODES),
     "algorithm.norm_constant": optional(POSITIVE).about("null: the generation budget"),
     "algorithm.count_empty_rows": boolean(),
@@ -290,6 +308,21 @@ SPECS: dict[str, Spec] = {
     "algorithm.ptx_batch_size": integer(1),
     "algorithm.offpolicy_mask_delta": optional(number(0)),
     "algorithm.keep_sampling_mask": boolean(),
+    # distillation from a frozen teacher (opd, kdrl, long2short): algorithms/online.py, DistillTerm
+    "algorithm.distill": optional(mapping("{mode: reward, coef: 1.0}")).about("null: no distillation"),
+    "algorithm.distill.mode": choice("reward", "full", "loss").about("per-token reward | full-vocabulary loss | "
+                                                                     "sampled k2/k3 loss"),
+    "algorithm.distill.coef": number(0).about("the distillation weight at rollout batch 0"),
+    "algorithm.distill.coef_schedule.name": choice(*SCHEDULES),
+    "algorithm.distill.coef_schedule.end": number(0).about("the weight from coef_schedule.steps on"),
+    "algorithm.distill.coef_schedule.steps": integer(1).about("rollout batches from coef to end"),
+    "algorithm.distill.coef_schedule.step_every": integer(1).about("step: rollout batches between drops"),
+    "algorithm.distill.divergence": choice(*DISTILL_DIVERGENCES),
+    "algorithm.distill.beta": number(0, 1, low_open=True).about("generalized_jsd's teacher weight, in (0, 1)"),
+    "algorithm.distill.temperature": POSITIVE,
+    "algorithm.distill.estimator": choice(*KDRL_ESTIMATORS),
+    "algorithm.distill.mask": choice("none", "low_reward"),
+    "algorithm.distill.reward_threshold": number().about("mask=low_reward distils samples with reward <= this"),
     # preference algorithms (dpo, ipo, hinge, simpo): algorithms/preference.py
     "algorithm.loss": choice(*PREFERENCE_LOSSES),
     "algorithm.beta": POSITIVE.about("the preference loss's inverse temperature (IPO: tau)"),
@@ -311,6 +344,8 @@ SPECS: dict[str, Spec] = {
     "rollout.top_p": number(0, 1, low_open=True).about("1: off"),
     "rollout.top_k": integer(0).about("0: off"),
     "rollout.max_new_tokens": integer(1).about("generation budget in tokens"),
+    "rollout.repetition.ngram": optional(integer(1)).about("longest repeated block looked for, in tokens; null: off"),
+    "rollout.repetition.window": integer(2).about("a loop fills the last window tokens; >= 2 x ngram"),
     # rollout=vllm's engine settings (rollout/vllm.py)
     "rollout.gpu_memory_utilization": number(0, 1, low_open=True).about("fraction of the GPU's memory for vLLM"),
     "rollout.max_model_len": optional(integer(1)).about("prompt + response tokens; null: the model's context"),
@@ -325,6 +360,7 @@ SPECS: dict[str, Spec] = {
     "data.max_digits": integer(1),
     "data.num_operands": integer(2),
     "data.style": choice(*STYLES),
+    "data.verbose_share": number(0, 1).about("style=mixed: share of problems with a verbose reference solution"),
     "data.seed": SEED,
     "data.max_response_tokens": integer(1).about("generation budget in tokens"),
     "data.max_prompt_tokens": optional(integer(1)).about("null: the model's context decides"),
@@ -400,6 +436,9 @@ SPECS: dict[str, Spec] = {
     "reward.components.overlong.max_len": optional(integer(1)).about("tokens; null: rollout.max_new_tokens"),
     "reward.components.format.match_score": number(),
     "reward.components.format.miss_score": number(),
+    "reward.components.length_penalty.warmup": integer(0).about("rollout batches before the length reward switches on"),
+    "reward.components.length_penalty.only_groups_with_a_correct_answer": boolean().about(
+        "0 in a group with no right answer (false: Kimi's formula)"),
     "reward.path": optional(text()).about("a reward model directory (reward=reward_model)"),
     "reward.paths": optional(list_of(text())).about("reward model directories: an ensemble"),
     "reward.components.reward_model.path": optional(text()).about("a reward model directory"),
@@ -604,6 +643,37 @@ def offline_algorithm_takes_no_online_components(v: Values):
         if option != "none":
             yield (f"algorithm={algorithm} trains offline on fixed data, so {group}={option} has no effect; "
                    f"drop the override or set {group}=none")
+
+
+@rule
+def repetition_window_holds_two_blocks(v: Values):
+    ngram, window = v.get("rollout.repetition.ngram"), v.get("rollout.repetition.window")
+    if ngram is not None and window is not None and window < 2 * ngram:
+        yield (f"rollout.repetition.window={window} must be at least 2 x rollout.repetition.ngram = {2 * ngram}, "
+               f"so that a block is repeated at least twice")
+
+
+@rule
+def preference_algorithm_reads_no_reward(v: Values):
+    """A preference algorithm trains on fixed pairs: a reward (a scorer of online samples) is never read."""
+    if v["algorithm.kind"] != "preference":
+        return
+    algorithm = v.choices.get("algorithm", v.get("algorithm.name"))
+    chosen = v.choices.get("reward")
+    if chosen not in (None, "accuracy") or v.get("reward.path") or v.get("reward.paths"):
+        yield (f"algorithm={algorithm} trains on fixed preference pairs and reads no reward, so "
+               f"reward={chosen or 'reward_model'} has no effect; drop the override (a learned reward model "
+               f"scores online RL: algorithm=grpo reward=reward_model reward.path=<dir>)")
+
+
+@rule
+def preference_algorithm_samples_in_process(v: Values):
+    """rollout=vllm is online RL's sampler; a preference run would build one engine for its
+    embedded pairs and another for held-out generation, on one GPU."""
+    if v["algorithm.kind"] == "preference" and v.get("rollout.engine") == "vllm":
+        algorithm = v.choices.get("algorithm", v.get("algorithm.name"))
+        yield (f"algorithm={algorithm} trains on fixed preference pairs: rollout=vllm (online RL's sampler) is "
+               f"not supported with it; use rollout=fast or rollout=hf for its embedded pairs and evaluation")
 
 
 @rule
@@ -946,6 +1016,41 @@ def lora_is_not_sharded(v: Values):
                f"PEFT-wrapped policy is not built; use trainer=ddp or trainer=cpu with LoRA, or model.lora.r=null")
 
 
+def teacher_keys(v: Values) -> list[str]:
+    """The keys that configure a teacher, as `key=value`."""
+    keys = ("teacher", "roles.teacher.name_or_path", "roles.teacher.init_from")
+    return [f"{key}={v.get(key)}" for key in keys if v.get(key) is not None]
+
+
+@rule
+def distillation_reads_a_teacher(v: Values):
+    """A distilling algorithm needs a teacher; a teacher no stage reads would be loaded (or
+    trained) for nothing, and suggests the user meant another algorithm."""
+    if not v.online():
+        return
+    from posttrain.algorithms.online import distills
+
+    algorithm = v.choices.get("algorithm", v.get("algorithm.name"))
+    distill = v.get("algorithm.distill")
+    configured = teacher_keys(v)
+    if distills(distill) and not configured:
+        yield (f"algorithm={algorithm} distils from a teacher, but none is configured: set teacher=<an HF directory, "
+               f"a checkpoint or run directory, or tiny_concise / tiny_verbose>")
+    elif configured and not distills(distill):
+        why = ("algorithm.distill.coef=0" if distill else "it has no algorithm.distill")
+        yield (f"{' and '.join(configured)} is set, but algorithm={algorithm} does not read a teacher ({why}); drop "
+               f"the teacher, or use algorithm=opd / kdrl, or set algorithm.distill.coef > 0")
+
+
+@rule
+def a_distillation_reward_is_its_own_advantage(v: Values):
+    distill = v.get("algorithm.distill")
+    if v.online() and distill and distill.get("mode") == "reward" and v["advantage.name"] == "gae":
+        yield ("algorithm.distill.mode=reward adds each token's distillation reward to its advantage as it is, but "
+               "advantage=gae would need it in a critic's returns: use a group advantage (group_norm, group_mean, "
+               "rloo), or algorithm.distill.mode=full or loss")
+
+
 @rule
 def online_rl_steps_its_own_optimiser(v: Values):
     accumulate = v.get("trainer.accumulate_grad_batches", 1)
@@ -1028,7 +1133,7 @@ SUPPLIED_ARGUMENTS = ("self", "policy", "tokenizer", "source", "rollout", "eval_
 NOT_MODULE_ARGUMENTS = ("_target_", "name", "kind", "warm_start")
 # The policy loss options, as OnlineRLModule.__init__ gathers them into `loss_options`.
 LOSS_OPTION_KEYS = ("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp", "seq_log_ratio_clamp",
-                    "ratio_level", "tau_pos", "tau_neg")
+                    "ratio_level", "tau_pos", "tau_neg", "kimi_tau")
 
 
 def import_target(path: str):

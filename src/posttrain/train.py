@@ -122,6 +122,12 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     # Resuming keeps init_from: the trained weights come from the checkpoint, but frozen roles
     # (the reference) are rebuilt from the policy's starting weights, which checkpoints omit.
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    if cfg.get("teacher") is not None:
+        from posttrain.models.teacher import resolve_teacher
+
+        # its HF directory into roles.teacher (an embedded recipe is trained once and cached,
+        # like the warm start); refused unless it shares the policy's tokenizer
+        resolve_teacher(cfg, tokenizer)
     if cfg.algorithm.kind == "preference":  # the pairs, made with (or read for) the starting policy
         from posttrain.data.preference import build_preference_source
 

@@ -1,5 +1,7 @@
 """The SFT warm start of an online run: planned from the run's config, trained once (by the
 entry point's own `run`), cached under a key of what it depends on, shared by every run.
+The embedded teachers of distillation (models/teacher.py) are SFT runs cached the same way:
+`sft_plan` and `cached_sft_model` serve both.
 
 Many jobs of a sweep (a SLURM array) may start at the same moment with the same uncached warm
 start: the first takes a lock beside the cache entry and trains it, the others wait on that
@@ -25,7 +27,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -47,21 +49,44 @@ def warm_start(cfg: DictConfig) -> str | None:
     if plan is None:
         return None
     sft_cfg, target = plan
+    return cached_sft_model(sft_cfg, target, "Warm start")
+
+
+def cached_sft_model(sft_cfg: DictConfig, target: Path, label: str) -> str:
+    """The Hugging Face export of the SFT run `sft_cfg` (from `sft_plan`), trained once into
+    the cache entry `target`. `label` names it in the log ("Warm start", "Teacher tiny_verbose")."""
+    return built_once(target, lambda scratch: train_warm_start(sft_cfg, target, scratch, label), label)
+
+
+def built_once(target: Path, build: Callable[[Path], None], label: str) -> str:
+    """`<target>/hf_model`, made once for every job and rank that asks for it: `build(scratch)`
+    writes the whole entry (its hf_model/ included) into a scratch directory beside `target`,
+    which is then renamed into place, so the cache holds whole entries only. Jobs of a sweep
+    wait on the entry's lock while one builds it; in a multi-process job rank 0 builds it and
+    the other ranks wait for it (see the module's docstring)."""
     if (target / "hf_model").is_dir():
         return str(target / "hf_model")
     rank, world = job_rank_and_size()
     if rank != 0:
-        # a rank of a multi-process job (torchrun, a SLURM job's task): its rank 0 trains the
-        # warm start, alone, before any process group exists; the others wait for the entry
-        wait_for_rank_zero(target, rank, world)
+        # a rank of a multi-process job (torchrun, a SLURM job's task): its rank 0 builds the
+        # entry, alone, before any process group exists; the others wait for it
+        wait_for_rank_zero(target, rank, world, label)
         return str(target / "hf_model")
-    with cache_lock(target) as lock_path:
-        if (target / "hf_model").is_dir():  # another job of the sweep trained it while this one waited
-            log.info(f"Warm start: trained by another job, read from {target}")
+    with cache_lock(target, label) as lock_path:
+        if (target / "hf_model").is_dir():  # another job of the sweep built it while this one waited
+            log.info(f"{label}: trained by another job, read from {target}")
         else:
-            train_warm_start(cfg, sft_cfg, target)
+            # what a killed holder left (its scratch directory, or an entry without hf_model)
+            # is nobody's now: the lock is ours
+            for leftover in target.parent.glob(f".{target.name}.*.tmp"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            if target.exists():
+                shutil.rmtree(target)
+            scratch = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            build(scratch)
+            os.replace(scratch, target)
         # The cache keeps entries only. Safe while held: the entry is in place, so a job that
-        # locks the old file after us, or a new one after the unlink, finds it and trains nothing.
+        # locks the old file after us, or a new one after the unlink, finds it and builds nothing.
         lock_path.unlink(missing_ok=True)
     return str(target / "hf_model")
 
@@ -86,20 +111,20 @@ def job_rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
-def wait_for_rank_zero(target: Path, rank: int, world: int) -> None:
+def wait_for_rank_zero(target: Path, rank: int, world: int, label: str = "Warm start") -> None:
     """Wait until the cache holds `target` (rank 0 of this job trains it, or another job of the
     sweep does: rank 0 then waits on the lock). Stops with an error when nobody has held the
     lock, and the entry is still missing, for RANK_ZERO_START_S: rank 0 failed or was killed."""
     import time
 
-    log.info(f"Warm start: rank {rank} of {world} waits for rank 0 to train it ({target})")
+    log.info(f"{label}: rank {rank} of {world} waits for rank 0 to train it ({target})")
     lock_path = target.with_name(f"{target.name}.lock")
     free_since = time.monotonic()
     while not (target / "hf_model").is_dir():
         if lock_is_held(lock_path):
             free_since = time.monotonic()
         elif time.monotonic() - free_since > RANK_ZERO_START_S:
-            raise CheckpointError(f"the SFT warm start {target} was not trained: rank 0 of this job has not held "
+            raise CheckpointError(f"{label} {target} was not trained: rank 0 of this job has not held "
                                   f"its lock ({lock_path}) for {RANK_ZERO_START_S:.0f} s; see rank 0's error")
         time.sleep(POLL_S)
 
@@ -123,11 +148,11 @@ def lock_is_held(lock_path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def cache_lock(target: Path) -> Iterator[Path]:
-    """Hold `<target>.lock` (beside the cache entry) exclusively: one job trains a warm start,
-    the others wait here. The holder's host and pid are written into the lock file so that a
-    waiting job can say whom it waits for; the kernel drops the lock when the holder exits or
-    dies, however it ends."""
+def cache_lock(target: Path, label: str = "Warm start") -> Iterator[Path]:
+    """Hold `<target>.lock` (beside the cache entry) exclusively: one job trains a cache entry
+    (a warm start, a teacher), the others wait here. The holder's host and pid are written
+    into the lock file so that a waiting job can say whom it waits for; the kernel drops the
+    lock when the holder exits or dies, however it ends."""
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.with_name(f"{target.name}.lock")
     with open(lock_path, "a+") as lock:
@@ -136,10 +161,10 @@ def cache_lock(target: Path) -> Iterator[Path]:
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "another job"
-            log.info(f"Warm start: waiting for {holder}, which is training it (lock {lock_path})")
+            log.info(f"{label}: waiting for {holder}, which is training it (lock {lock_path})")
             fcntl.flock(lock, fcntl.LOCK_EX)
         except OSError as err:  # ENOLCK: a file system without locks; training unlocked would race
-            raise ConfigError(f"paths.cache_dir={target.parent.parent} cannot hold the warm start's lock ({err}); "
+            raise ConfigError(f"paths.cache_dir={target.parent.parent} cannot hold the lock of {label} ({err}); "
                               f"set paths.cache_dir to a directory on a file system with file locks") from None
         lock.seek(0)
         lock.truncate()
@@ -151,34 +176,24 @@ def cache_lock(target: Path) -> Iterator[Path]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def train_warm_start(cfg: DictConfig, sft_cfg: DictConfig, target: Path) -> None:
-    """Train the SFT run into a scratch directory beside `target`, then rename it into place,
-    so that the cache holds whole warm starts only. Called with the cache lock held."""
-    # what a killed holder left (its scratch directory, or an entry without hf_model) is
-    # nobody's now: the lock is ours
-    for leftover in target.parent.glob(f".{target.name}.*.tmp"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    if target.exists():
-        shutil.rmtree(target)
-    settings = cfg.algorithm.warm_start
-    target_accuracy = settings.get("until_accuracy")
+def train_warm_start(sft_cfg: DictConfig, target: Path, scratch: Path, label: str = "Warm start") -> None:
+    """Train the SFT run `sft_cfg` (a warm start, an embedded teacher) into `scratch`; `built_once`
+    renames it to `target`. Called with the cache lock held."""
+    steps, target_accuracy = sft_cfg.trainer.max_steps, sft_cfg.callbacks.stop_at_accuracy
     goal = " for" if target_accuracy is None else f" until held-out accuracy >= {target_accuracy:.0%}, for at most"
-    log.info(f"Warm start: SFT{goal} {settings.steps} steps, cached at {target}")
-    scratch = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    log.info(f"{label}: SFT{goal} {steps} steps, cached at {target}")
+    sft_cfg = sft_cfg.copy()
     with open_dict(sft_cfg):
         sft_cfg.paths.output_dir = str(scratch)
     from posttrain.train import run  # the entry point's own job, run for the SFT config
 
     summary = run(sft_cfg, announce=False)
-    log.info(f"Warm start: stopped at step {summary['global_step']}, "
+    log.info(f"{label}: stopped at step {summary['global_step']}, "
              f"held-out accuracy {summary.get('eval/accuracy', float('nan')):.1%}")
-    os.replace(scratch, target)
 
 
 def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
-    """The warm start's SFT config and its cache directory, or None when the run has none.
-    The cache key holds only what the SFT run reads (never run paths, never the RL settings),
-    so every online preset and every seed of a sweep share one warm start."""
+    """The warm start's SFT config and its cache directory, or None when the run has none."""
     settings = cfg.algorithm.get("warm_start")
     if cfg.algorithm.kind not in ("online", "preference") or not settings or settings.steps <= 0:
         return None
@@ -188,9 +203,18 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
         # a pretrained policy starts from its own weights: the warm start's settings (3000
         # steps at lr 3e-3) are the embedded model's, and would wreck an instruct model
         return None
+    return sft_plan(cfg, settings, "algorithm.warm_start", "warm_start")
+
+
+def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tuple[DictConfig, Path]:
+    """An SFT run of `cfg`'s model on `cfg`'s task, as `settings` (the node at config `key`:
+    steps, seed, until_accuracy, eval_every, lr, batch_size) say, and its cache directory
+    `paths.cache_dir/<folder>/<key of what it depends on>`. The key holds only what the SFT
+    run reads (never run paths, never the RL settings), so every online preset and every seed
+    of a sweep share one entry."""
     target_accuracy = settings.get("until_accuracy")
     if target_accuracy is not None and not 0.0 < target_accuracy <= 1.0:
-        raise ConfigError(f"algorithm.warm_start.until_accuracy={target_accuracy} must lie in (0, 1]")
+        raise ConfigError(f"{key}.until_accuracy={target_accuracy} must lie in (0, 1]")
     from posttrain.train import CONFIG_DIR
 
     sft = OmegaConf.load(Path(CONFIG_DIR) / "algorithm" / "sft.yaml")
@@ -198,6 +222,7 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     sft_cfg = cfg.copy()
     with open_dict(sft_cfg):
         sft_cfg.algorithm = sft
+        sft_cfg.teacher = None  # the SFT run distils nothing (and must not train the run's teacher itself)
         if sft_cfg.model.get("lora") is not None:
             # every weight trains in the warm start: it is the starting point (the base of a LoRA
             # run), the same with or without an adapter, and one cache entry serves both
@@ -233,8 +258,8 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
     identity_cfg.model.pop("lora", None)  # off in the warm start, whatever the RL run's adapter
     identity = OmegaConf.to_yaml(identity_cfg)
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return sft_cfg, Path(cfg.paths.cache_dir) / "warm_start" / key
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return sft_cfg, Path(cfg.paths.cache_dir) / folder / digest
 
 
 # Source files an SFT run never imports (tests/test_sweeps.py checks it): the RL pipeline's
@@ -242,7 +267,8 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
 # retrain every cached warm start; editing anything else (the model, data, SFT module,
 # core, rollout used by its held-out eval, this file) does.
 NOT_IN_SFT = ("algorithms/online.py", "algorithms/terms.py", "algorithms/experience.py", "models/roles.py",
-              "evaluate.py", "algorithms/reward_model.py", "algorithms/preference.py", "data/preference.py")
+              "evaluate.py", "algorithms/reward_model.py", "algorithms/preference.py", "data/preference.py",
+              "models/teacher.py")
 
 
 @functools.cache

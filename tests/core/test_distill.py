@@ -11,6 +11,7 @@ from posttrain.core.distill import (
     forward_kl,
     generalized_jsd,
     kdrl_k2_loss,
+    kdrl_loss,
     kdrl_reward_mask,
     reverse_kl,
     reverse_kl_sampled,
@@ -97,8 +98,8 @@ def test_kdrl_k2_loss_and_reward_masking():
     assert kdrl_reward_mask(torch.tensor([1, 0, -1])).tolist() == [0.0, 1.0, 1.0]
     loss, stats = kdrl_k2_loss(s, t, mask, reward_mask=rm)
     assert loss.item() == pytest.approx(0.25 / 5)  # counts still from the full mask
-    assert stats["distill/masked_frac"].item() == 0.5
-    assert stats["distill/k2"].item() == pytest.approx(0.25 / 3)
+    assert stats["masked_frac"].item() == 0.5
+    assert stats["kl"].item() == pytest.approx(0.25 / 3)
     loss.backward()
     assert (s.grad[0] == 0).all()
     torch.testing.assert_close(s.grad[1], (s.detach()[1] - t[1]) / 5)
@@ -190,3 +191,21 @@ def test_gradcheck_with_temperature(name, temperature):
     if name == "reverse_kl":
         t[0, 1, 2] = 0.0
     assert gradcheck(lambda x: distill_divergence(name, x, t, beta=0.3, temperature=temperature), (s,))
+
+
+def test_kdrl_loss_k3_and_reward_threshold():
+    s = torch.tensor([[-1.0, -2.0], [-1.0, -3.0]], dtype=D, requires_grad=True)
+    t = torch.tensor([[-2.0, -2.0], [-0.5, -3.0]], dtype=D)
+    mask = torch.ones(2, 2)
+    # k3 = exp(d) - d - 1, d = log p_t - log p_s: d = -1, 0, 0.5, 0
+    k3 = [math.exp(-1) + 1 - 1, 0.0, math.exp(0.5) - 0.5 - 1, 0.0]
+    loss, stats = kdrl_loss(s, t, mask, estimator="k3")
+    assert loss.item() == pytest.approx(sum(k3) / 4)
+    assert stats["kl"].item() == pytest.approx(sum(k3) / 4)
+    # k2 is the default, and kdrl_k2_loss is kdrl_loss with k2
+    assert kdrl_loss(s, t, mask)[0].item() == pytest.approx(kdrl_k2_loss(s, t, mask)[0].item())
+    assert kdrl_loss(s, t, mask)[0].item() == pytest.approx((0.5 + 0.0 + 0.125 + 0.0) / 4)  # k2 = (s - t)^2 / 2
+    # the threshold: distil on rewards at or below it
+    assert kdrl_reward_mask(torch.tensor([0.2, 0.5, 0.9]), threshold=0.5).tolist() == [1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="unknown KDRL estimator"):
+        kdrl_loss(s, t, mask, estimator="k1")

@@ -16,6 +16,18 @@ def test_kimi_length_reward_hand_values():
     assert short_wrong.tolist() == pytest.approx([0.0, -0.5])  # wrong but short earns nothing positive
 
 
+def test_kimi_length_reward_only_in_groups_with_a_correct_answer():
+    lengths = torch.tensor([0, 4, 8, 2, 6, 10])
+    correct = torch.tensor([False, False, False, False, True, True])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    # group 0 (all wrong): lambda = [0.5, 0, -0.5] -> Kimi [0, 0, -0.5]: the empty answer is the best
+    # group 1: min 2, max 10 -> lambda = [0.5, 0, -0.5]; wrong -> min(0, 0.5) = 0; right -> 0, -0.5
+    kimi = kimi_length_reward(lengths, correct, groups)
+    assert kimi.tolist() == pytest.approx([0.0, 0.0, -0.5, 0.0, 0.0, -0.5])
+    guarded = kimi_length_reward(lengths, correct, groups, only_groups_with_a_correct_answer=True)
+    assert guarded.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.0, -0.5])
+
+
 def test_kimi_length_reward_errors():
     with pytest.raises(ValueError, match="correct"):
         kimi_length_reward(torch.tensor([1, 2]), torch.tensor([True]), torch.tensor([0, 0]))

@@ -10,6 +10,7 @@ from posttrain.core.policy_loss import (
     compute_policy_loss,
     gspo_loss,
     gspo_sequence_log_ratio,
+    kimi_loss,
     offpolicy_sequence_mask,
     ppo_clip_loss,
     reinforce_loss,
@@ -216,7 +217,7 @@ def test_edges_every_policy_loss(name):
 
 def test_registry_errors():
     logp, old, adv, mask = worked_example()
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'.*cispo, gspo, ppo_clip, reinforce, sapo"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'.*cispo, gspo, kimi, ppo_clip, reinforce, sapo"):
         compute_policy_loss("ppo", logp, old, adv, mask)
     with pytest.raises(ValueError, match="clip_low"):
         ppo_clip_loss(logp, old, adv, mask, clip_low=-0.1)
@@ -295,10 +296,12 @@ USES = {
     "cispo": {"clip_low", "clip_high", "log_ratio_clamp", "ratio_level", "seq_log_ratio_clamp"},
     "sapo": {"log_ratio_clamp", "tau_pos", "tau_neg"},
     "reinforce": {"log_ratio_clamp"},
+    "kimi": {"log_ratio_clamp", "kimi_tau"},
 }
 NON_DEFAULT = {
     "clip_low": 0.1, "clip_high": 0.3, "dual_clip": 3.0, "delta": 5.0, "log_ratio_clamp": None,
     "seq_log_ratio_clamp": 10.0, "ratio_level": "sequence", "tau_pos": 2.0, "tau_neg": 2.0,
+    "kimi_tau": 2.0,
 }
 
 
@@ -351,6 +354,9 @@ def test_option_errors():
     for option in ("tau_pos", "tau_neg"):
         with pytest.raises(ValueError, match=option):
             sapo_loss(logp, old, adv, mask, **{option: 0.0})
+    for tau in (0.0, -1.0):
+        with pytest.raises(ValueError, match="kimi_tau"):
+            kimi_loss(logp, old, adv, mask, kimi_tau=tau)
     for option in ("dp_size", "count_empty_rows"):
         with pytest.raises(ValueError, match=option):
             reinforce_loss(logp, old, adv, mask, **{option: 0})
@@ -765,3 +771,81 @@ def test_reproduces_trl_cispo(level):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-7, atol=0)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-7, atol=1e-300)
     assert stats["clip_frac_high"] > 0
+
+
+# --- Kimi k1.5: squared surrogate with a mirror-descent pull towards pi_old ---------------------
+
+def kimi_inputs():
+    """Row 0: token log-ratios 0.1, 0.2 (l = 0.3), A = 1; row 1: one valid token with log-ratio
+    -0.2 (l = -0.2) and a padded token, A = -0.5."""
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], dtype=D)
+    logp = (old + torch.tensor([[0.1, 0.2], [-0.2, 7.0]], dtype=D)).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0], [-0.5, 9.0]], dtype=D)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    return logp, old, adv, mask
+
+
+def test_kimi_hand_computed_values():
+    logp, old, adv, mask = kimi_inputs()
+    # tau = 0.5: L_i = (A_i - tau l_i)^2 / (2 tau) = (1 - 0.15)^2 = 0.7225 and (-0.5 + 0.1)^2 = 0.16
+    expected = {
+        "seq-mean-token-sum": (0.7225 + 0.16) / 2,           # each row's tokens sum to L_i
+        "seq-mean-token-mean": (0.7225 / 2 + 0.16 / 1) / 2,  # per-token share L_i / |y_i|, then means
+        "token-mean": (0.7225 + 0.16) / 3,                   # 3 valid tokens
+        "token-sum": 0.7225 + 0.16,
+    }
+    for mode, value in expected.items():
+        loss, stats = kimi_loss(logp, old, adv, mask, kimi_tau=0.5, agg_mode=mode)
+        assert loss.item() == pytest.approx(value), mode
+    assert stats["seq_log_ratio_mean"].item() == pytest.approx((0.3 - 0.2) / 2)
+    assert stats["clip_frac"].item() == 0.0
+    assert stats["ppo_kl"].item() == pytest.approx(-(0.1 + 0.2 - 0.2) / 3)
+    # tau = 2: (1 - 0.6)^2 / 4 = 0.04 and (-0.5 + 0.4)^2 / 4 = 0.0025
+    loss, _ = kimi_loss(logp, old, adv, mask, kimi_tau=2.0, agg_mode="seq-mean-token-sum")
+    assert loss.item() == pytest.approx((0.04 + 0.0025) / 2)
+
+
+def test_kimi_gradient_is_baselined_policy_gradient_minus_mirror_descent_term():
+    """grad L_i = -[A_i grad l_i - tau/2 grad l_i^2], l_i the sequence log-ratio; per token of
+    row i that is -(A_i - tau l_i) (seq-mean-token-sum, divided by the number of rows)."""
+    g = torch.Generator().manual_seed(5)
+    B, T, tau = 5, 6, 0.7
+    lengths = torch.tensor([6, 3, 1, 0, 4])
+    mask = torch.arange(T) < lengths.unsqueeze(1)
+    old = torch.randn(B, T, dtype=D, generator=g) - 1
+    logp = (old + torch.randn(B, T, dtype=D, generator=g) * 0.3).requires_grad_(True)
+    a_seq = torch.randn(B, dtype=D, generator=g)
+    adv = a_seq.unsqueeze(1).expand(B, T).clone()
+    loss, _ = kimi_loss(logp, old, adv, mask, kimi_tau=tau, agg_mode="seq-mean-token-sum")
+    (grad,) = torch.autograd.grad(loss, logp)
+    seq_log_ratio = ((logp - old) * mask).sum(-1)  # differentiable l_i
+    n_seq = int((lengths > 0).sum())
+    surrogate = (a_seq * seq_log_ratio - tau / 2 * seq_log_ratio**2).sum() / n_seq
+    (expected,) = torch.autograd.grad(-surrogate, logp)
+    torch.testing.assert_close(grad, expected)
+    by_hand = -(a_seq - tau * seq_log_ratio.detach()).unsqueeze(1) * mask / n_seq
+    torch.testing.assert_close(grad, by_hand)
+    assert (grad[3] == 0).all() and (grad[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_kimi_on_policy_gradient_is_reinforce_with_group_mean_advantages(mode):
+    """At pi_theta = pi_old (l = 0) the tau term has no gradient: what is left is REINFORCE with
+    the group-mean advantages r - mean_group(r), under the same aggregation."""
+    from posttrain.core import compute_advantages
+
+    g = torch.Generator().manual_seed(6)
+    B, T = 6, 5
+    lengths = torch.tensor([5, 2, 4, 1, 3, 5])
+    mask = (torch.arange(T) < lengths.unsqueeze(1)).to(D)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    token_rewards = torch.zeros(B, T, dtype=D)
+    token_rewards[torch.arange(B), lengths - 1] = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0], dtype=D)
+    adv, _ = compute_advantages("group_mean", token_rewards, mask, groups)
+    logp = (torch.randn(B, T, dtype=D, generator=g) - 1).requires_grad_(True)
+    kimi, _ = kimi_loss(logp, logp.detach(), adv, mask, kimi_tau=0.3, agg_mode=mode)
+    reinforce, _ = reinforce_loss(logp, None, adv, mask, agg_mode=mode)
+    (g_kimi,) = torch.autograd.grad(kimi, logp)
+    (g_reinforce,) = torch.autograd.grad(reinforce, logp)
+    torch.testing.assert_close(g_kimi, g_reinforce)
+    assert g_kimi.abs().sum() > 0

@@ -27,10 +27,12 @@ class Experience:
     group_index: torch.Tensor       # [B] prompt id
     support_size: torch.Tensor | None = None       # [B, T] kept top-k/top-p support per token
     support_logprobs: torch.Tensor | None = None   # [B, T] sampler log-probs renormalised on it
+    repeated: torch.Tensor | None = None           # [B] bool, stopped early for looping (rollout.repetition)
     # --- annotate: one field per scorer ---
     old_logp: torch.Tensor | None = None   # [B, T] pi_old (None on-policy: the training forward's own)
     ref_logp: torch.Tensor | None = None   # [B, T] frozen reference
     values: torch.Tensor | None = None     # [B, T] critic V(s_t) at sampling time
+    teacher_logp: torch.Tensor | None = None  # [B, T] frozen teacher (distillation)
     # --- advantages ---
     token_rewards: torch.Tensor | None = None  # [B, T] score at the last token (+ KL shaping)
     advantages: torch.Tensor | None = None     # [B, T]
@@ -73,7 +75,7 @@ class Experience:
 
 
 PER_TOKEN = ("response_ids", "response_mask", "rollout_logprobs", "support_size", "support_logprobs", "old_logp",
-             "ref_logp", "values", "token_rewards", "advantages", "returns")
+             "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
 
 
 def sequence_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:

@@ -1,20 +1,36 @@
 """One online-RL LightningModule for every online algorithm: the GRPO family (GRPO, Dr. GRPO,
-DAPO, GSPO, CISPO, SAPO, the DeepSeek-V3.2 fixes) and PPO are configurations of it. A preset
-in conf/algorithm/ is a choice of policy loss, clip range, aggregation, advantage, KL
-estimator, reward, curriculum and, for PPO, a critic and a pretraining (ptx) term.
+DAPO, GSPO, CISPO, SAPO, the DeepSeek-V3.2 fixes), PPO, on-policy distillation (OPD), KDRL
+and Long2Short are configurations of it. A preset in conf/algorithm/ is a choice of policy
+loss, clip range, aggregation, advantage, KL estimator, reward, curriculum and, for PPO, a
+critic and a pretraining (ptx) term; for the distillation algorithms, a frozen teacher and
+`algorithm.distill` (see `DistillTerm` in terms.py):
+
+  opd          the teacher scores every sampled token: the per-token reward
+               coef * (log p_T(y_t) - log p_S(y_t)) is added to each token's advantage
+               (distill.mode=reward; no baseline, no discount), or the full-vocabulary
+               divergence is a loss term (distill.mode=full)
+  kdrl         GRPO's loss + beta * k2 (or k3) of KL(student || teacher) on the student's
+               samples (distill.mode=loss), beta annealed by `distill.coef_schedule`,
+               optionally only on low-reward samples (distill.mask=low_reward)
+  long2short   accuracy + the Kimi k1.5 length reward after a warm-up (reward config),
+               optionally with distillation from a long-reasoning teacher
 
 One `training_step` is one rollout batch, four named and timed stages over an `Experience`
 (`perf/<stage>_s`), as in the papers' algorithm boxes:
 
   1. collect     prompts from the curriculum -> `group_size` samples each -> rewards
                  (dynamic sampling's extra rounds happen here)
-  2. annotate    each configured scorer adds its tensors: old log-probs (only off-policy or
-                 for a KL in the reward), reference log-probs (only with a KL term), critic
-                 values (only with a critic)
+  2. annotate    each configured scorer adds its tensors: old log-probs (only off-policy, for
+                 a KL in the reward or a distillation reward), reference log-probs (only with
+                 a KL term), critic values (only with a critic), teacher log-probs (only with
+                 a sampled distillation mode: reward or loss)
   3. advantages  score at the last token (- beta * KL when placed in the reward) ->
-                 `core.compute_advantages` (GAE with the critic's values)
+                 `core.compute_advantages` (GAE with the critic's values); + the per-token
+                 distillation reward (opd)
   4. update      ppo_epochs x minibatches x micro-batches; the loss is a sum of terms
-                 (terms.py: policy, KL, entropy, value; plus ptx), global token counts
+                 (terms.py: policy, KL, entropy, value, distill; plus ptx), global token
+                 counts; distill.mode=full runs the teacher's forward here, per micro-batch
+                 (vocabulary-sized logits are never stored in the Experience)
 
 Step counters: `trainer.max_steps` counts policy optimiser steps (Lightning's global step);
 one rollout batch makes ppo_epochs x num_minibatches of them (none while the critic warms
@@ -32,11 +48,12 @@ import hashlib
 import time
 
 import torch
+from omegaconf import OmegaConf
 
 from posttrain import core
 from posttrain.algorithms.base import PosttrainModule, decode_responses
 from posttrain.algorithms.experience import Experience, sequence_hidden_states, sequence_logits
-from posttrain.algorithms.terms import EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
+from posttrain.algorithms.terms import DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
 from posttrain.checkpoints import this_ranks, with_every_rank
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
@@ -46,6 +63,7 @@ from posttrain.models.lora import reference_is_the_base, reference_model
 from posttrain.models.roles import ValueModel, build_role
 from posttrain.rewards import ScoredSample, build_reward
 from posttrain.rollout import SamplingParams
+from posttrain.rollout.repetition import repetition_rule
 from posttrain.sharding import full_state_dict, full_weights
 
 # Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
@@ -54,7 +72,21 @@ KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horiz
 # which the run stops: the data or the reward gives the policy nothing to learn from.
 MAX_BATCHES_WITHOUT_SIGNAL = 50
 # Term stats aggregated with the global token/sequence counts: they sum over micro-batches.
-GLOBAL_STATS = ("policy/loss", "policy/kl", "policy/entropy", "critic/value_loss")
+GLOBAL_STATS = ("policy/loss", "policy/kl", "policy/entropy", "critic/value_loss", "distill/loss")
+# algorithm.distill: how the teacher's scores enter the update (see DistillTerm) ...
+DISTILL_MODES = ("reward", "full", "loss")
+# ... and which samples a loss-mode distillation keeps: all, or those with reward <= reward_threshold (KDRL).
+DISTILL_MASKS = ("none", "low_reward")
+
+
+def distills(distill) -> bool:
+    """Whether an `algorithm.distill` node (a mapping or None) reads the teacher: it is set and
+    its weight is above 0 at some rollout batch (at the start, or at the end of its schedule)."""
+    if not distill:
+        return False
+    schedule = distill.get("coef_schedule") or {}
+    end = schedule.get("end", 0.0) if schedule.get("name", "constant") != "constant" else 0.0
+    return distill.get("coef", 0.0) > 0 or end > 0
 
 
 class OnlineRLModule(PosttrainModule):
@@ -68,12 +100,12 @@ class OnlineRLModule(PosttrainModule):
                  micro_batch_size: int | None = None, policy_loss: str = "ppo_clip", clip_low: float | None = 0.2,
                  clip_high: float | None = 0.2, dual_clip: float | None = None, delta: float | None = None,
                  log_ratio_clamp: float | None = 20.0, seq_log_ratio_clamp: float | None = None,
-                 ratio_level: str = "token", tau_pos: float = 1.0, tau_neg: float = 1.05,
+                 ratio_level: str = "token", tau_pos: float = 1.0, tau_neg: float = 1.05, kimi_tau: float = 1.0,
                  loss_agg_mode: str = "seq-mean-token-mean", norm_constant: float | None = None,
                  count_empty_rows: bool = False, mask_truncated: bool = False,
                  entropy_coef: float = 0.0, max_grad_norm: float | None = 1.0,
                  offpolicy_mask_delta: float | None = None, keep_sampling_mask: bool = False,
-                 critic=None, ptx_coef: float = 0.0, ptx_batch_size: int = 16):
+                 critic=None, ptx_coef: float = 0.0, ptx_batch_size: int = 16, distill=None):
         super().__init__(policy, tokenizer, source, optim, rollout, eval_max_new_tokens, max_grad_norm)
         if policy_loss not in core.POLICY_LOSSES:
             raise ConfigError(f"algorithm.policy_loss={policy_loss!r} is not one of {sorted(core.POLICY_LOSSES)}")
@@ -106,7 +138,7 @@ class OnlineRLModule(PosttrainModule):
                                 norm_constant=norm_constant or rollout.max_new_tokens)  # Dr. GRPO: the budget
         self.loss_options = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta,
                                  log_ratio_clamp=log_ratio_clamp, seq_log_ratio_clamp=seq_log_ratio_clamp,
-                                 ratio_level=ratio_level, tau_pos=tau_pos, tau_neg=tau_neg)
+                                 ratio_level=ratio_level, tau_pos=tau_pos, tau_neg=tau_neg, kimi_tau=kimi_tau)
         self.policy_loss = policy_loss
         self.advantage_name = advantage.name
         self.advantage_options = {k: v for k, v in advantage.items() if k != "name"}
@@ -146,18 +178,36 @@ class OnlineRLModule(PosttrainModule):
         self.value_term = ValueTerm(critic.value_clip, critic.vf_coef) if critic is not None else None
         self.ptx_coef, self.ptx_batch_size = ptx_coef, ptx_batch_size
 
+        # --- distillation (opd, kdrl, long2short): a frozen teacher scores the student's samples ---
+        distill = OmegaConf.to_container(distill, resolve=True) if OmegaConf.is_config(distill) else distill
+        self.distill = dict(distill) if distills(distill) else None
+        self.teacher = None
+        if self.distill is not None:
+            check_distill(self.distill, advantage.name, roles.teacher)
+            self.teacher = build_role("teacher", roles.teacher, policy)
+            if self.teacher.config.vocab_size != policy.config.vocab_size:
+                raise ConfigError(f"teacher: its vocabulary ({self.teacher.config.vocab_size} tokens) is not the "
+                                  f"policy's ({policy.config.vocab_size}); distillation needs a teacher with the "
+                                  f"policy's tokenizer")
+            self.terms.append(DistillTerm(self.distill["mode"], self.distill_coef, **{
+                key: self.distill[key] for key in ("divergence", "beta", "temperature", "estimator", "mask",
+                                                   "reward_threshold") if key in self.distill}))
+        self.distill_mode = self.distill["mode"] if self.distill is not None else None
+
         # --- annotate: each scorer fills one Experience field; only those a stage reads ---
         # With one update per batch pi_old is the current policy: the training forward's own
         # log-probs, detached, stand in for it (ratio exactly 1) and the extra forward is skipped.
         self.on_policy = ppo_epochs == 1 and num_minibatches == 1
         self.scorers = []
-        if not self.on_policy or self.kl_in_reward:
+        if not self.on_policy or self.kl_in_reward or self.distill_mode == "reward":
             self.scorers.append(("old_logp", lambda exp: self.token_logprobs(self.policy, exp)[0]))
         if self.uses_reference:
             self.scorers.append(("ref_logp", self.reference_logprobs))
         if self.critic is not None:
             self.scorers.append(("values", lambda exp: self.critic(exp.prompt_ids, exp.prompt_mask,
                                                                  exp.response_ids, exp.response_mask)))
+        if self.distill_mode in ("reward", "loss"):  # mode full reads the teacher's logits in the update
+            self.scorers.append(("teacher_logp", lambda exp: self.token_logprobs(self.teacher, exp)[0]))
         check_core_options(self)
         self.reward_cfg = reward
         self.reward_fn = build_reward(reward, source, rollout.max_new_tokens, policy=policy, tokenizer=tokenizer)
@@ -185,7 +235,7 @@ class OnlineRLModule(PosttrainModule):
         return [policy, self.make_optimizer(self.critic.trainable_parameters(), self.critic_cfg.optim)]
 
     def frozen_roles(self) -> list[str]:
-        return ["reference"] if self.reference is not None else []
+        return [role for role in ("reference", "teacher") if getattr(self, role) is not None]
 
     def on_save_checkpoint(self, checkpoint):
         super().on_save_checkpoint(checkpoint)
@@ -258,8 +308,10 @@ class OnlineRLModule(PosttrainModule):
     # --- 1. collect --------------------------------------------------------------------------
     def sampling_params(self) -> SamplingParams:
         r = self.rollout_cfg
+        # looping responses are stopped and flagged (rollout.repetition; evaluation does not use it)
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, return_support=self.keep_sampling_mask)
+                              top_k=r.top_k, return_support=self.keep_sampling_mask,
+                              repetition=repetition_rule(r.get("repetition")))
 
     def rank_seed(self, base: int) -> int:
         """A generator seed of this rank: the run's own seed in a single process."""
@@ -274,8 +326,8 @@ class OnlineRLModule(PosttrainModule):
         texts = decode_responses(self.tokenizer, batch.response_ids, batch.response_mask)
         lengths = batch.response_lengths().tolist()
         groups = [first_group + i // self.group_size for i in range(len(texts))]
-        samples = [ScoredSample(examples[i // self.group_size], texts[i], lengths[i], bool(batch.truncated[i]), groups[i])
-                   for i in range(len(texts))]
+        samples = [ScoredSample(examples[i // self.group_size], texts[i], lengths[i], bool(batch.truncated[i]), groups[i],
+                                repeated=bool(batch.repeated[i])) for i in range(len(texts))]
         scored = self.reward_fn(samples, self.source)
         correct = scored.correct.float() if scored.correct is not None else torch.full((len(texts),), float("nan"))
         experience = Experience(
@@ -283,7 +335,7 @@ class OnlineRLModule(PosttrainModule):
             response_mask=batch.response_mask.float(), rollout_logprobs=batch.logprobs, truncated=batch.truncated,
             scores=scored.total.to(self.device), correct=correct.to(self.device),
             group_index=torch.tensor(groups, device=self.device), support_size=batch.support_size,
-            support_logprobs=batch.support_logprobs,
+            support_logprobs=batch.support_logprobs, repeated=batch.repeated,
         )
         return experience, scored.metrics
 
@@ -292,6 +344,7 @@ class OnlineRLModule(PosttrainModule):
         curriculum asks for them. Returns the batch, its metrics, and whether any rank has a
         group with a reward spread (without one, no optimiser step is taken)."""
         generator = torch.Generator(device=self.device).manual_seed(self.rank_seed(self.seed * 1_000_003 + step))
+        self.reward_fn.set_step(step)  # rewards with a warm-up (the Kimi length reward) count rollout batches
         kept, metrics, rounds, groups_seen, dropped = [], {}, 0, 0, 0
         need = self.prompts_per_step
         first = None
@@ -345,6 +398,13 @@ class OnlineRLModule(PosttrainModule):
         exp.advantages, exp.returns = core.compute_advantages(self.advantage_name, token_rewards, mask,
                                                               exp.group_index, values=exp.values,
                                                               **self.advantage_options)
+        if self.distill_mode == "reward":
+            # on-policy distillation: each token's own reward coef * (log p_T(y_t) - log p_S(y_t)),
+            # the negated sample of reverse KL, is added to its advantage as it is (no baseline,
+            # no discount): E[grad] of the policy loss is then -coef * grad KL(p_S || p_T)
+            distill_reward = -self.distill_coef() * core.reverse_kl_sampled(exp.old_logp, exp.teacher_logp)
+            exp.advantages = exp.advantages + distill_reward * mask
+            metrics["distill/reward_mean"] = float(core.masked_mean(distill_reward, mask))
         if exp.values is not None:
             metrics["critic/explained_var"] = float(core.explained_variance(exp.values, exp.returns, mask))
             metrics["critic/returns_mean"] = float(core.masked_mean(exp.returns, mask))
@@ -416,10 +476,15 @@ class OnlineRLModule(PosttrainModule):
         for start in range(0, len(exp), micro):
             part = exp.select(torch.arange(start, min(start + micro, len(exp)), device=self.device))
             part_mask = mask[start:start + micro]
-            logp, entropy, values = self.training_forward(part, with_values=train_critic)
+            logp, entropy, values, logits = self.training_forward(part, with_values=train_critic)
+            teacher_logits = None
+            if self.distill_mode == "full" and train_policy:
+                teacher_logits = self.teacher_logits(part)
+                part.teacher_logp = self.logprobs_from(teacher_logits, part, with_entropy=False)[0]
             mb = MicroBatch(exp=part, mask=part_mask, logp=logp, entropy=entropy, values=values,
                             old_logp=logp.detach() if part.old_logp is None else part.old_logp,
-                            aggregation=aggregation)
+                            aggregation=aggregation, logits=logits if teacher_logits is not None else None,
+                            teacher_logits=teacher_logits)
             losses, stats = [], {}
             for term in (self.terms if train_policy else []) + ([self.value_term] if train_critic else []):
                 loss, term_stats = term(mb)
@@ -437,8 +502,9 @@ class OnlineRLModule(PosttrainModule):
         return sums
 
     def training_forward(self, exp: Experience, with_values: bool):
-        """log pi_theta (with gradient), entropy (with gradient only when weighted) and, for
-        the critic, V(s_t) — one backbone pass when the critic shares the policy's."""
+        """log pi_theta (with gradient), entropy (with gradient only when weighted), for the
+        critic V(s_t) — one backbone pass when the critic shares the policy's — and the
+        logits they come from (full-vocabulary distillation reads them)."""
         need_entropy_grad = bool(self.entropy_coef)
         if with_values and self.shared_critic:
             hidden = sequence_hidden_states(self.policy, exp.prompt_ids, exp.prompt_mask, exp.response_ids,
@@ -450,12 +516,24 @@ class OnlineRLModule(PosttrainModule):
             values = self.critic(exp.prompt_ids, exp.prompt_mask, exp.response_ids,
                                  exp.response_mask) if with_values else None
         logp, entropy = self.logprobs_from(logits, exp, with_entropy=True, entropy_grad=need_entropy_grad)
-        return logp, entropy, values
+        return logp, entropy, values, logits
 
     def token_logprobs(self, model, exp: Experience):
         """(log-probs, None) of the response tokens under ``model`` (a scorer's forward)."""
         logits = sequence_logits(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
         return self.logprobs_from(logits, exp, with_entropy=False)
+
+    @torch.no_grad()
+    def teacher_logits(self, exp: Experience) -> torch.Tensor:
+        """The frozen teacher's logits [b, T, V] on a micro-batch (distill.mode=full)."""
+        return sequence_logits(self.teacher, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
+
+    def distill_coef(self) -> float:
+        """The distillation weight at this rollout batch: `distill.coef`, annealed by
+        `distill.coef_schedule` (core.scheduled_coef)."""
+        schedule = dict(self.distill.get("coef_schedule") or {"name": "constant"})
+        return core.scheduled_coef(schedule.pop("name"), self.train_batches_seen, start=self.distill["coef"],
+                                   **schedule)
 
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
         """log pi_ref of the response tokens: the frozen reference's, or a LoRA policy's with its
@@ -543,9 +621,36 @@ class OnlineRLModule(PosttrainModule):
             "rollout/truncated_frac": float(exp.truncated.float().mean()),
             "rollout/frac_zero_std_groups": flat_groups,
         }
+        if exp.repeated is not None:
+            metrics["rollout/repetition_frac"] = float(exp.repeated.float().mean())
         if not torch.isnan(exp.correct).any():
             metrics["rollout/accuracy"] = float(exp.correct.mean())
         return metrics
+
+
+def check_distill(distill: dict, advantage_name: str, teacher_role) -> None:
+    """ConfigErrors naming the key for an `algorithm.distill` node that cannot run, before
+    the teacher is loaded."""
+    if not (teacher_role.get("name_or_path") or teacher_role.get("init_from")):
+        raise ConfigError("algorithm.distill reads a teacher, but none is configured: set teacher=<an HF directory, "
+                          "a checkpoint or run directory, or tiny_concise / tiny_verbose> (or roles.teacher."
+                          "name_or_path / roles.teacher.init_from)")
+    if "mode" not in distill:
+        raise ConfigError(f"algorithm.distill.mode is not set: one of {list(DISTILL_MODES)}")
+    choices = {"mode": DISTILL_MODES, "mask": DISTILL_MASKS, "divergence": tuple(core.DISTILL_DIVERGENCES),
+               "estimator": tuple(core.KDRL_ESTIMATORS)}
+    for key, allowed in choices.items():
+        if key in distill and distill[key] not in allowed:
+            raise ConfigError(f"algorithm.distill.{key}={distill[key]!r} is not one of {list(allowed)}")
+    if distill["mode"] == "reward" and advantage_name == "gae":
+        raise ConfigError("algorithm.distill.mode=reward adds each token's distillation reward to its advantage as "
+                          "it is; advantage=gae would need it in a critic's returns: use a group advantage "
+                          "(group_norm, group_mean, rloo) or distill.mode=full / loss")
+    schedule = dict(distill.get("coef_schedule") or {"name": "constant"})
+    try:
+        core.scheduled_coef(schedule.pop("name", None), 0, start=distill.get("coef", 0.0), **schedule)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"algorithm.distill.coef_schedule: {err}") from None
 
 
 def check_core_options(module: OnlineRLModule) -> None:

@@ -28,6 +28,7 @@ from posttrain.data.preference import collate_pairs
 from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.errors import CheckpointError, ConfigError, DataError
 from posttrain.models.lora import has_adapter, reference_is_the_base, reference_model
+from posttrain.sharding import is_sharded
 
 # Splits whose pairs get reference log-probs: training, and held-out implicit-reward accuracy.
 CACHED_SPLITS = ("train", "validation")
@@ -50,6 +51,14 @@ def sequence_logps(model, input_ids, attention_mask, labels) -> torch.Tensor:
 
 def pad_to(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
     return F.pad(x, (0, width - x.shape[1]), value=value)
+
+
+def pair_sums(out, pairs: int) -> torch.Tensor:
+    """Sums over a batch of `pairs` pairs of (loss, chosen reward, rejected reward, margin,
+    chosen > rejected, 1): summed over ranks and batches, then divided by the last."""
+    c, r = out.chosen_rewards.float(), out.rejected_rewards.float()
+    return torch.stack([out.loss.detach().float() * pairs, c.sum(), r.sum(), (c - r).sum(),
+                        (c > r).float().sum(), torch.tensor(float(pairs), device=c.device)])
 
 
 class PreferenceModule(PosttrainModule):
@@ -133,17 +142,29 @@ class PreferenceModule(PosttrainModule):
         scores its share of the pairs and the shares are summed, so every rank holds all."""
         if not self.uses_reference or self.reference_logps:
             return
-        rank, world = rank_and_world()
         with torch.no_grad(), self.reference() as model:
             for split in CACHED_SPLITS:
                 pairs = self.source.pairs(split)
                 logps = torch.zeros(len(pairs), 2, device=self.device)
-                for start in range(rank * self.batch_size, len(pairs), world * self.batch_size):
-                    rows = slice(start, start + self.batch_size)
-                    batch = self.on_device(collate_pairs(pairs[rows], self.tokenizer))
-                    logps[rows] = torch.stack(self.pair_logps(model, batch), dim=1).float()
+                for rows, batch in self.rank_batches(pairs, model):
+                    both = torch.stack(self.pair_logps(model, batch), dim=1).float()
+                    logps[rows] = both[:rows.stop - rows.start]  # none of a stand-in batch
                     self.reference_forwards += 1
                 self.reference_logps[split] = all_reduce_sum(logps)
+
+    def rank_batches(self, pairs, model):
+        """(rows, collated batch) of this rank's share of `pairs`: rank r of W takes batches
+        r, r+W, r+2W, ... of `batch_size` pairs. A sharded (FSDP2) model's forward gathers its
+        weights with every rank, so there each rank runs the same number of forwards: one whose
+        share has run out joins with a stand-in batch (the first pair) and empty `rows`."""
+        rank, world = rank_and_world()
+        stride = world * self.batch_size
+        rounds = -(-len(pairs) // stride) if is_sharded(model) else None
+        stop = len(pairs) if rounds is None else rounds * stride
+        for start in range(rank * self.batch_size, stop, stride):
+            rows = slice(min(start, len(pairs)), min(start + self.batch_size, len(pairs)))
+            chunk = pairs[rows] if rows.stop > rows.start else pairs[:1]
+            yield rows, self.on_device(collate_pairs(chunk, self.tokenizer))
 
     def cached_reference(self, split: str, pairs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(log pi_ref(chosen), log pi_ref(rejected)) [B] of `pairs` from the cache; (None, None) for SimPO."""
@@ -175,19 +196,11 @@ class PreferenceModule(PosttrainModule):
         # The mean over the pairs of every rank's batch: each rank weights its mean by its share
         # of the global count and scales by the world size, so the ranks' averaged gradients
         # (on_before_optimizer_step; FSDP2's reduce-scatter) are those of one global pair mean.
-        sums = all_reduce_sum(self.pair_sums(out, pairs))
+        sums = all_reduce_sum(pair_sums(out, pairs))
         global_pairs = sums[-1].clamp(min=1.0)
         self.train_batches_seen += 1
         self.log_means(sums, "train/loss", "")
         return out.loss * pairs * rank_and_world()[1] / global_pairs
-
-    @staticmethod
-    def pair_sums(out, pairs: int) -> torch.Tensor:
-        """Sums over a batch of `pairs` pairs of (loss, chosen reward, rejected reward, margin,
-        chosen > rejected, 1): summed over ranks and batches, then divided by the last."""
-        c, r = out.chosen_rewards.float(), out.rejected_rewards.float()
-        return torch.stack([out.loss.detach().float() * pairs, c.sum(), r.sum(), (c - r).sum(),
-                            (c > r).float().sum(), torch.tensor(float(pairs), device=c.device)])
 
     def log_means(self, sums: torch.Tensor, loss_name: str, prefix: str) -> None:
         means = sums[:-1] / sums[-1].clamp(min=1.0)
@@ -218,11 +231,11 @@ class PreferenceModule(PosttrainModule):
         pairs = self.source.pairs("validation")
         if not pairs:
             return
-        rank, world = rank_and_world()
         sums = torch.zeros(6, device=self.device)
-        for start in range(rank * self.batch_size, len(pairs), world * self.batch_size):
-            batch = self.on_device(collate_pairs(pairs[start:start + self.batch_size], self.tokenizer))
-            sums += self.pair_sums(self.pair_output(self.policy, batch, "validation"), len(batch["pairs"]))
+        for rows, batch in self.rank_batches(pairs, self.policy):
+            out = self.pair_output(self.policy, batch, "validation")
+            if rows.stop > rows.start:  # not a stand-in batch
+                sums += pair_sums(out, len(batch["pairs"]))
         self.log_means(all_reduce_sum(sums), "eval/loss", "eval/")  # one collective: ranks' batch counts differ
 
     # --- checkpoints ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import copy
 import torch
 
 from posttrain.algorithms.base import PosttrainModule
+from posttrain.algorithms.preference import pair_sums
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.data.preference import collate_pairs
 from posttrain.distributed import all_reduce_sum, average_gradients
@@ -57,12 +58,6 @@ def pair_rows(batch: dict, pad_token_id: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat(ids), torch.cat(masks)
 
 
-def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Batch means of the scores, their margin and the share of pairs ranked right (chosen > rejected)."""
-    return {"chosen": chosen.mean(), "rejected": rejected.mean(), "margin": (chosen - rejected).mean(),
-            "accuracy": (chosen > rejected).float().mean()}
-
-
 class RewardModelModule(PosttrainModule):
     train_collate = staticmethod(collate_pairs)
     eval_on_pairs = True  # the datamodule's held-out batches are validation pairs, not prompts
@@ -85,8 +80,11 @@ class RewardModelModule(PosttrainModule):
         chosen, rejected = self.pair_scores(batch)
         out = bradley_terry_loss(chosen, rejected, margin=self.margin or None, center_coef=self.center_coef)
         self.train_batches_seen += 1
-        self.log("train/loss", out.loss.detach(), prog_bar=True)
-        self.log_dict({f"rewards/{k}": v for k, v in reward_stats(out.chosen_rewards, out.rejected_rewards).items()})
+        # the global batch's means (every rank's pairs), as one process would log them
+        sums = all_reduce_sum(pair_sums(out, len(chosen)))
+        loss, *stats = (sums[:-1] / sums[-1].clamp(min=1.0)).unbind()
+        self.log("train/loss", loss, prog_bar=True)
+        self.log_dict({f"rewards/{name}": value for name, value in zip(("chosen", "rejected", "margin", "accuracy"), stats)})
         return out.loss
 
     def on_before_optimizer_step(self, optimizer):

@@ -1,5 +1,5 @@
 """The loss of an online-RL update as a sum of terms. Each term is a small object that calls
-`core`, returns (loss, stats) and logs under its own prefix: `policy/`, `critic/`, `ptx/`.
+`core`, returns (loss, stats) and logs under its own prefix: `policy/`, `critic/`, `distill/`, `ptx/`.
 
 A term reads a `MicroBatch`: the rows of the annotated Experience, the loss mask, the
 training forward's outputs, and the global counts every aggregation uses.
@@ -24,6 +24,8 @@ class MicroBatch:
     entropy: torch.Tensor | None    # [b, T] (with gradient only when a term is weighted by it)
     values: torch.Tensor | None     # [b, T] critic prediction, with gradient
     aggregation: dict               # agg_mode, norm_constant, count_empty_rows, dp_size, num_tokens, num_seqs
+    logits: torch.Tensor | None = None          # [b, T, V] student logits, with gradient (distill mode full)
+    teacher_logits: torch.Tensor | None = None  # [b, T, V] teacher logits, no gradient (distill mode full)
 
 
 class PolicyTerm:
@@ -78,6 +80,47 @@ class EntropyTerm:
         entropy = core.aggregate_loss(mb.entropy, mb.mask, "token-mean", **counts)
         loss = -self.coef * entropy if self.coef else entropy.detach() * 0.0
         return loss, {"entropy": entropy.detach()}
+
+
+class DistillTerm:
+    """Distillation from the frozen teacher on the student's own samples (`algorithm.distill`),
+    weighted by coef = `coef_fn()` (the schedule's value at this rollout batch):
+
+      reward  on-policy distillation, the per-token reward coef * (log p_T(y_t) - log p_S(y_t))
+              is already in the advantages (OnlineRLModule.compute_advantages): no loss here
+      full    coef * aggregate(D(p_S || p_T)) over the full vocabulary, D = `divergence`
+              (reverse_kl | forward_kl | generalized_jsd) at `temperature`
+      loss    KDRL: coef * aggregate(k) of a sampled estimator k (k2 | k3) of KL(student, teacher),
+              on the sequences `reward_mask` keeps (mask=low_reward: reward <= reward_threshold)
+
+    Every mode logs the sampled reverse KL, mean over tokens of log p_S(y_t) - log p_T(y_t)."""
+
+    prefix = "distill"
+
+    def __init__(self, mode: str, coef_fn, *, divergence: str = "reverse_kl", beta: float = 0.5,
+                 temperature: float = 1.0, estimator: str = "k2", mask: str = "none", reward_threshold: float = 0.0):
+        self.mode, self.coef_fn = mode, coef_fn
+        self.divergence, self.beta, self.temperature = divergence, beta, temperature
+        self.estimator, self.mask, self.reward_threshold = estimator, mask, reward_threshold
+
+    def __call__(self, mb: MicroBatch):
+        coef = self.coef_fn()
+        teacher_logp = mb.exp.teacher_logp
+        stats = {"coef": coef, "reverse_kl": core.masked_mean(core.reverse_kl_sampled(mb.logp.detach(), teacher_logp),
+                                                              mb.mask)}
+        if self.mode == "reward":
+            return mb.logp.new_zeros(()), stats
+        if self.mode == "full":
+            divergence = core.distill_divergence(self.divergence, mb.logits, mb.teacher_logits, beta=self.beta,
+                                                 temperature=self.temperature)
+            value = core.aggregate_loss(divergence, mb.mask, **_renamed(mb.aggregation))
+        else:
+            reward_mask = (core.kdrl_reward_mask(mb.exp.scores, self.reward_threshold)
+                           if self.mask == "low_reward" else None)
+            value, kd_stats = core.kdrl_loss(mb.logp, teacher_logp, mb.mask, reward_mask, estimator=self.estimator,
+                                             **mb.aggregation)
+            stats.update(kl=kd_stats["kl"], masked_frac=kd_stats["masked_frac"])
+        return coef * value, {**stats, "loss": value.detach()}
 
 
 class ValueTerm:

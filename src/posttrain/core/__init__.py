@@ -34,7 +34,9 @@ from .distill import (
     distill_divergence,
     forward_kl,
     generalized_jsd,
+    KDRL_ESTIMATORS,
     kdrl_k2_loss,
+    kdrl_loss,
     kdrl_reward_mask,
     reverse_kl,
     reverse_kl_sampled,
@@ -67,11 +69,13 @@ from .policy_loss import (
     compute_policy_loss,
     gspo_loss,
     gspo_sequence_log_ratio,
+    kimi_loss,
     offpolicy_sequence_mask,
     ppo_clip_loss,
     reinforce_loss,
     sapo_loss,
 )
+from .schedules import SCHEDULES, scheduled_coef
 from .preference import (
     PREFERENCE_LOSSES,
     PreferenceOutput,
@@ -96,7 +100,8 @@ __all__ = [
     "entropy_from_logits", "explained_variance", "forward_kl", "gae_advantages", "generalized_jsd", "group_ids",
     "informative_groups",
     "grpo_advantages", "gspo_loss", "gspo_sequence_log_ratio", "hinge_loss", "ipo_loss",
-    "kdrl_k2_loss", "kdrl_reward_mask", "kimi_length_reward", "kl_abs", "kl_k1", "kl_k2", "kl_k3",
+    "KDRL_ESTIMATORS", "SCHEDULES", "kdrl_k2_loss", "kdrl_loss", "kdrl_reward_mask", "scheduled_coef",
+    "kimi_length_reward", "kl_abs", "kl_k1", "kl_k2", "kl_k3",
     "kl_k3_unbiased", "kl_penalty", "kl_straight_through", "kl_unbiased_gradient", "logprobs_from_logits",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "offpolicy_sequence_mask", "pass_at_k",
     "ppo_clip_loss", "preference_loss", "prm_step_advantages", "ptx_loss",

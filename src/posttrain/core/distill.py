@@ -14,7 +14,7 @@ except that reverse KL is +inf when the student puts mass where the teacher has 
 is its value).
 
 Sample-based forms work on the log-probs of the sampled tokens only (no vocabulary pass):
-``reverse_kl_sampled`` for on-policy distillation and ``kdrl_k2_loss`` for KDRL.
+``reverse_kl_sampled`` for on-policy distillation and ``kdrl_loss`` (k2 or k3) for KDRL.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from .aggregation import aggregate_loss
 from .checks import check_finite, check_shape, finite_checks_enabled, lookup, valid_mask
-from .kl import kl_k1, kl_k2
+from .kl import kl_k1, kl_k2, kl_k3
 from .masked import masked_mean, zero_padding
 
 DivergenceFn = Callable[..., torch.Tensor]
@@ -133,46 +133,60 @@ def reverse_kl_sampled(student_logp, teacher_logp):
     return kl_k1(student_logp, teacher_logp)
 
 
-def kdrl_reward_mask(rewards: torch.Tensor) -> torch.Tensor:
-    """KDRL reward-guided masking -> [B] float: 1 (distil) where reward <= 0, 0 where reward > 0.
+def kdrl_reward_mask(rewards: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
+    """KDRL reward-guided masking -> [B] float: 1 (distil) where reward <= threshold, else 0.
 
-    Correct (positively rewarded) responses already get their signal from RL; pulling them
-    towards the teacher as well over-regularises (Xu et al. 2025).
+    Well-rewarded responses already get their signal from RL; pulling them towards the
+    teacher as well over-regularises (Xu et al. 2025). The default threshold 0 distils only
+    on responses with no positive reward.
     """
     check_finite("rewards", rewards)
-    return (rewards <= 0).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    return (rewards <= threshold).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
-def kdrl_k2_loss(
-    student_logp, teacher_logp, mask, reward_mask=None, agg_mode="token-mean", *,
-    num_tokens=None, num_seqs=None, norm_constant=None,
+# Sampled KL estimators KDRL's distillation term takes (core.kl): k2's on-policy gradient is
+# exactly grad KL(student || teacher); k3's is grad KL(teacher || student).
+KDRL_ESTIMATORS = {"k2": kl_k2, "k3": kl_k3}
+
+
+def kdrl_loss(
+    student_logp, teacher_logp, mask, reward_mask=None, agg_mode="token-mean", *, estimator: str = "k2",
+    num_tokens=None, num_seqs=None, norm_constant=None, dp_size: int = 1, count_empty_rows: bool = False,
 ):
-    """KDRL KD term (Xu et al. 2025): k2 = 0.5 (log p_s(y_t) - log p_t(y_t))^2 on student samples.
+    """KDRL KD term (Xu et al. 2025): aggregate of a sampled KL estimator between the student
+    and the teacher on student samples; k2 = 0.5 (log p_s(y_t) - log p_t(y_t))^2 by default,
+    k3 = exp(d) - d - 1 with d = log p_t(y_t) - log p_s(y_t) as an option.
 
     On-policy, grad E[k2] is exactly grad KL(p_s || p_t) (see ``kl_k2``). ``reward_mask`` [B]
     (e.g. ``kdrl_reward_mask(rewards)``) zeroes whole sequences; as for ``seq_mask`` in the
     policy losses the normalising counts still come from ``mask``, so the KD coefficient
-    keeps the same scale as the RL term. Returns (loss, stats) with ``distill/k2`` (mean
-    over distilled tokens) and ``distill/masked_frac`` (fraction of non-empty sequences masked).
+    keeps the same scale as the RL term. Returns (loss, stats) with ``kl`` (mean estimator
+    value over distilled tokens) and ``masked_frac`` (fraction of non-empty sequences masked).
     """
     check_shape("teacher_logp", teacher_logp, student_logp.shape, "student_logp")
     check_shape("mask", mask, student_logp.shape, "student_logp")
     check_finite("student_logp", student_logp, mask)
     check_finite("teacher_logp", teacher_logp, mask)
+    kl_fn = lookup(KDRL_ESTIMATORS, estimator, "KDRL estimator")
     valid = valid_mask(mask)
     student_logp, teacher_logp = zero_padding(student_logp, valid), zero_padding(teacher_logp, valid)
     used = valid
     if reward_mask is not None:
         check_shape("reward_mask", reward_mask, student_logp.shape[:1], "student_logp[:, 0]")
         used = valid & valid_mask(reward_mask).unsqueeze(-1)
-    k2 = kl_k2(student_logp, teacher_logp)
+    kl = kl_fn(student_logp, teacher_logp)
     loss = aggregate_loss(
-        torch.where(used, k2, torch.zeros_like(k2)), mask, agg_mode,
-        num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant,
+        torch.where(used, kl, torch.zeros_like(kl)), mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+        norm_constant=norm_constant, dp_size=dp_size, count_empty_rows=count_empty_rows,
     )
     nonempty = valid.any(-1)
     stats = {
-        "distill/k2": masked_mean(k2.detach(), used),
-        "distill/masked_frac": masked_mean((~used.any(-1)).to(k2.dtype), nonempty),
+        "kl": masked_mean(kl.detach(), used),
+        "masked_frac": masked_mean((~used.any(-1)).to(kl.dtype), nonempty),
     }
     return loss, stats
+
+
+def kdrl_k2_loss(student_logp, teacher_logp, mask, reward_mask=None, agg_mode="token-mean", **counts):
+    """KDRL's default KD term: ``kdrl_loss`` with the k2 estimator."""
+    return kdrl_loss(student_logp, teacher_logp, mask, reward_mask, agg_mode, estimator="k2", **counts)

@@ -8,12 +8,18 @@ from .checks import check_finite, check_shape
 from .groups import group_ids, group_max, group_min
 
 
-def kimi_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+def kimi_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_index: torch.Tensor,
+                       only_groups_with_a_correct_answer: bool = False) -> torch.Tensor:
     """Kimi k1.5 length reward (Long2Short): lambda = 0.5 - (len - min_len) / (max_len - min_len)
     within the group; correct -> lambda, incorrect -> min(0, lambda).
 
     A group whose responses all have the same length (including a group of one) gets 0:
     there is no shorter or longer answer to prefer.
+
+    `only_groups_with_a_correct_answer`: a group with no right answer gets 0 too. The reward
+    is there to pick the shorter of the right answers; in an all-wrong group min(0, lambda)
+    would still rank the wrong answers by length, pushing a policy that fails a prompt towards
+    its shortest wrong answer, down to an empty one (a collapse when accuracy is low).
     """
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1:
@@ -27,7 +33,11 @@ def kimi_length_reward(lengths: torch.Tensor, correct: torch.Tensor, group_index
     span = hi - lo
     lam = 0.5 - (length - lo) / torch.where(span > 0, span, torch.ones_like(span))
     lam = torch.where(span > 0, lam, torch.zeros_like(lam))
-    return torch.where(correct.bool(), lam, lam.clamp(max=0.0))
+    reward = torch.where(correct.bool(), lam, lam.clamp(max=0.0))
+    if only_groups_with_a_correct_answer:
+        some_correct = group_max(correct.to(torch.float32), g) > 0
+        reward = torch.where(some_correct, reward, torch.zeros_like(reward))
+    return reward
 
 
 def dapo_overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ One signature for the whole family::
 
     fn(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
        delta=None, log_ratio_clamp=20.0, seq_log_ratio_clamp=None, ratio_level="token",
-       tau_pos=1.0, tau_neg=1.05, agg_mode="token-mean", num_tokens=None, num_seqs=None,
+       tau_pos=1.0, tau_neg=1.05, kimi_tau=1.0, agg_mode="token-mean", num_tokens=None, num_seqs=None,
        norm_constant=None, dp_size=1, count_empty_rows=False, seq_mask=None)
        -> (loss scalar, stats dict of detached scalars)
 
@@ -26,6 +26,7 @@ not a silent no-op):
                        ratio_level=sequence  length-normalised mean; clamped tokens get no gradient
   ratio_level          cispo                 "token" (r_it) | "sequence" (GSPO's s_i for every token)
   tau_pos, tau_neg     sapo                  gate temperature where A > 0 / A <= 0
+  kimi_tau             kimi                  tau > 0, weight of the mirror-descent pull towards pi_old
   agg_mode, num_tokens, num_seqs, norm_constant, dp_size, count_empty_rows
                        all                   ``aggregate_loss`` (aggregation.py)
 
@@ -49,6 +50,7 @@ Stats (over the valid, unmasked tokens of this call; peers' names in brackets):
                       KL(pi_old || pi_theta) from the token log-ratio after log_ratio_clamp
                       [verl ppo_kl; OpenRLHF ppo_kl, which takes the unclamped log-ratio]
   approx_kl           mean of k3 for KL(pi_old || pi_theta): r - 1 - log r (>= 0, low variance)
+  seq_log_ratio_mean  kimi: mean over sequences of the sequence log-ratio sum_t log r_t
   ratio_mean          mean token ratio (gspo, sequence-level cispo: mean sequence ratio over
                       sequences)
 """
@@ -65,7 +67,7 @@ import torch
 from .aggregation import aggregate_loss
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .kl import clamped_log_ratio
-from .masked import masked_mean, zero_padding
+from .masked import _safe_div, masked_count, masked_mean, masked_sum, zero_padding
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -83,6 +85,7 @@ class PolicyLossOptions:
     ratio_level: str = "token"
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    kimi_tau: float = 1.0
     agg_mode: str = "token-mean"
     num_tokens: Any = None
     num_seqs: Any = None
@@ -94,7 +97,7 @@ class PolicyLossOptions:
 _DEFAULTS = {f.name: f.default for f in fields(PolicyLossOptions)}
 # Options read by one loss or another; the rest (aggregation) are read by every loss.
 _LOSS_OPTIONS = ("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp", "seq_log_ratio_clamp",
-                 "ratio_level", "tau_pos", "tau_neg")
+                 "ratio_level", "tau_pos", "tau_neg", "kimi_tau")
 _AGGREGATION_OPTIONS = ("num_tokens", "num_seqs", "norm_constant", "dp_size", "count_empty_rows")
 RATIO_LEVELS = ("token", "sequence")
 
@@ -136,7 +139,7 @@ def _check_values(o: PolicyLossOptions) -> None:
             raise ValueError(f"{name} must be a positive number or None (no clamp), got {c!r}")
     if o.ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {o.ratio_level!r}")
-    for name in ("tau_pos", "tau_neg"):
+    for name in ("tau_pos", "tau_neg", "kimi_tau"):
         if not getattr(o, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(o, name)!r}")
 
@@ -370,12 +373,46 @@ def reinforce_loss(logp, old_logp, a, mask, used, o):
     return loss_mat, _ratio_stats(log_ratio, used, none, none)
 
 
+@_policy_loss("kimi", uses=("log_ratio_clamp", "kimi_tau"))
+def kimi_loss(logp, old_logp, a, mask, used, o):
+    """Kimi k1.5 (Kimi Team 2025, section 2.3): per sequence, with the sequence log-ratio
+    l = log pi_theta(y|x) - log pi_old(y|x) (a sum over its tokens) and A = r - mean_group(r)
+    (use it with advantage=group_mean: A is the sequence's advantage, its mean over the valid
+    tokens), the squared surrogate
+
+        L = (A - tau * l)^2 / (2 tau),   dL/dtheta = -(A - tau l) grad l = -[A grad l - tau/2 grad l^2]:
+
+    the group-baselined policy gradient minus the gradient of a tau/2 l^2 pull towards the
+    sampling policy (mirror descent). The paper's (r - mean r - tau l)^2 is tau^2 / 2 times this
+    loss: the 1 / (2 tau) makes the step size independent of tau at pi_theta = pi_old, where
+    the gradient is REINFORCE's, -A grad log pi(y|x).
+
+    Each valid token carries L / |y|, so the per-sequence sum is L: with "seq-mean-token-sum"
+    the loss is the mean of L over sequences (the paper's), and under every aggregation mode
+    the gradient at pi_theta = pi_old equals ``reinforce_loss``'s with the same mode. With one
+    update per batch (pi_old = pi_theta) the tau term is 0: it acts from the second update on a
+    batch (ppo_epochs or num_minibatches > 1). No ratio is exponentiated and nothing is clipped:
+    the clip stats are 0.
+    """
+    log_ratio = _log_ratio(logp, old_logp, o.log_ratio_clamp)
+    seq_log_ratio = masked_sum(log_ratio, mask, dim=-1)
+    seq_adv = masked_mean(a, mask, dim=-1)
+    seq_loss = (seq_adv - o.kimi_tau * seq_log_ratio) ** 2 / (2.0 * o.kimi_tau)
+    length = masked_count(mask, dim=-1, keepdim=True, dtype=logp.dtype)
+    loss_mat = _safe_div(seq_loss.unsqueeze(-1), length).expand_as(logp)
+    none = torch.zeros_like(used)
+    stats = _ratio_stats(log_ratio.detach(), used, none, none)
+    stats["seq_log_ratio_mean"] = masked_mean(seq_log_ratio.detach(), used.any(-1))
+    return loss_mat, stats
+
+
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "ppo_clip": ppo_clip_loss,
     "gspo": gspo_loss,
     "cispo": cispo_loss,
     "sapo": sapo_loss,
     "reinforce": reinforce_loss,
+    "kimi": kimi_loss,
 }
 
 

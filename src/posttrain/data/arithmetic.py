@@ -8,6 +8,11 @@ Two solution styles:
   column's digits and the carry from the step before, then ``>`` and the sum:
   ``"7+5=12,4+8+1=13,3+1+1=5>532"``. Missing digits of shorter operands are written 0.
 
+A task can also be ``mixed``: each problem's reference solution is verbose or concise by a
+stable hash of its prompt (:func:`solution_style`), a ``verbose_share`` of them verbose. A
+model trained on it mostly writes long solutions, yet a shorter right answer is within its
+reach (Long2Short needs both).
+
 Every problem is assigned to exactly one split by a stable hash of its prompt, so
 train / validation / test never share a problem however many are drawn. Problem ``i`` of
 a split is a pure function of ``(seed, split, i)``: streams are reproducible and can
@@ -25,7 +30,8 @@ import re
 from dataclasses import dataclass, field
 
 SPLITS = ("train", "validation", "test")
-STYLES = ("concise", "verbose")
+SOLUTION_STYLES = ("concise", "verbose")  # the forms a solution is written in
+STYLES = (*SOLUTION_STYLES, "mixed")       # a task's style: one form, or each problem's by hash
 ALPHABET = "0123456789+=,>"  # every character a prompt or a solution can contain
 
 STEP_SEPARATOR = ","
@@ -50,7 +56,7 @@ class Problem:
         if style == "verbose":
             steps = [_format_step(digits, carry, total) for digits, carry, total in column_steps(self.operands)]
             return STEP_SEPARATOR.join(steps) + ANSWER_MARKER + str(self.answer)
-        raise ValueError(f"unknown solution style {style!r}; choose one of {STYLES}")
+        raise ValueError(f"unknown solution style {style!r}; choose one of {SOLUTION_STYLES}")
 
 
 def column_steps(operands: tuple[int, ...]) -> list[tuple[list[int], int, int]]:
@@ -70,15 +76,31 @@ def _format_step(digits: list[int], carry: int, total: int) -> str:
     return "+".join(terms) + "=" + str(total)
 
 
+def stable_fraction(prompt: str, salt: bytes = b"") -> float:
+    """A number in [0, 1) that depends only on the prompt (and `salt`, which makes the draws
+    of different uses independent): the same on every seed, run and machine."""
+    digest = hashlib.blake2b(prompt.encode(), digest_size=8, person=salt).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
 def split_of(prompt: str, fractions: tuple[float, float, float] = (0.9, 0.05, 0.05)) -> str:
     """Stable hash bucket of a prompt: the split it belongs to, for every seed and run."""
-    bucket = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big") / 2**64
+    bucket = stable_fraction(prompt)
     cumulative = 0.0
     for split, fraction in zip(SPLITS, fractions):
         cumulative += fraction
         if bucket < cumulative:
             return split
     return SPLITS[-1]
+
+
+def solution_style(prompt: str, style: str, verbose_share: float) -> str:
+    """The form of a problem's reference solution: `style` itself, or for ``mixed`` verbose
+    when the prompt's stable hash falls below `verbose_share`, else concise. The hash is
+    salted apart from `split_of`'s, so every split gets the same share."""
+    if style != "mixed":
+        return style
+    return "verbose" if stable_fraction(prompt, salt=b"style") < verbose_share else "concise"
 
 
 @dataclass(frozen=True)
@@ -157,7 +179,10 @@ def verify_steps(prompt: str, response: str) -> list[bool]:
 
 
 def matches_style(response: str, style: str) -> bool:
-    """Format check: does the response have the shape of the given solution style."""
+    """Format check: does the response have the shape of the given solution style (``mixed``:
+    of either)."""
+    if style == "mixed":
+        return any(matches_style(response, form) for form in SOLUTION_STYLES)
     if style == "concise":
         return bool(_INT.match(response.strip()))
     step = r"\d+(\+\d+)+=\d+"

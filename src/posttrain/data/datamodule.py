@@ -274,9 +274,16 @@ class PosttrainDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         if self.eval_on_pairs:
+            from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
             from posttrain.data.preference import collate_pairs  # (it imports this module)
 
-            return DataLoader(self.source.pairs(self.eval_split), batch_size=self.eval_batch_size, shuffle=False,
+            # each held-out pair counted once over the ranks: Lightning's own sampler would repeat
+            # pairs to even out the ranks' shares (it keeps a loader that already has one)
+            pairs = self.source.pairs(self.eval_split)
+            rank, world = rank_and_world()
+            sampler = UnrepeatedDistributedSampler(pairs, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+            return DataLoader(pairs, batch_size=self.eval_batch_size, sampler=sampler,
                               collate_fn=lambda b: collate_pairs(b, self.tokenizer))
         return DataLoader(self.eval_examples, batch_size=self.eval_batch_size, shuffle=False,
                           collate_fn=lambda b: collate_prompts(b, self.tokenizer))

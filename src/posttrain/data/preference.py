@@ -54,6 +54,7 @@ class PreferencePair:
     kind: str                           # "on_policy" | "perturbed" | "dataset"
     messages: list[dict] | None = None  # the prompt as chat messages (rendered with the tokenizer's chat template)
     example: Example | None = None      # the task example it came from (embedded task), for verification
+    origin: str | None = None           # where it was read (dataset: "<file> split 'train' row 12"), for errors
 
 
 # --- collation ------------------------------------------------------------------------------
@@ -157,16 +158,49 @@ def build_preference_source(cfg, task_source, tokenizer, policy) -> PreferenceSo
                                   "the embedded preference pairs")
     else:
         raise ConfigError(f"preference.source={settings.source!r} is not one of ['embedded', 'dataset']")
+    if tokenizer is not None:
+        check_pairs_fit(source, tokenizer)
     for split in source.splits():
         shares = ", ".join(f"{kind} {share:.1%}" for kind, share in source.shares(split).items() if share)
         log.info(f"Preference pairs ({settings.source}): {source.size(split)} {split} pairs: {shares}")
     return source
 
 
+def check_pairs_fit(source: PreferenceSource, tokenizer) -> None:
+    """Every pair's rows (prompt + chosen / rejected + EOS, as collate_pairs lays them out) must fit
+    the model's context, before training: past it the model has no positions (a crash, or
+    silently extrapolated ones), and cutting either side would change what is preferred. A
+    DataError names the first pair too long (its file and row for dataset pairs) and the count."""
+    from posttrain.data.datamodule import model_context
+
+    context = model_context(tokenizer)
+    if context is None:
+        return
+    for split in source.splits():
+        pairs = source.pairs(split)
+        prompts = [len(pair_prompt_ids(pair, tokenizer)) for pair in pairs]
+        sides = {side: tokenizer([getattr(pair, side) for pair in pairs], add_special_tokens=False)["input_ids"]
+                 for side in ("chosen", "rejected")}
+        over = [(i, side) for i in range(len(pairs)) for side in ("chosen", "rejected")
+                if prompts[i] + len(sides[side][i]) + 1 > context]
+        if not over:
+            continue
+        i, side = over[0]
+        pair, response = pairs[i], len(sides[side][i])
+        where = pair.origin or f"{split} pair {i} (prompt {pair.prompt[:60]!r})"
+        count = len({index for index, _ in over})
+        raise DataError(f"{where}: prompt ({prompts[i]} tokens) + {side} response ({response} tokens) + EOS is "
+                        f"{prompts[i] + response + 1} tokens, more than the model's context of {context} tokens (its "
+                        f"max_position_embeddings); {count} of the {len(pairs)} {split} pairs are too long. Drop or "
+                        f"shorten such pairs, or use a model with a longer context")
+
+
 # --- embedded pairs ---------------------------------------------------------------------------
 
 def cached_embedded_pairs(cfg, task_source, tokenizer, policy) -> dict[str, list[PreferencePair]]:
     """The embedded pairs from the cache, else built (and cached when preference.cache)."""
+    from posttrain.warm_start import job_rank_and_size
+
     path = embedded_cache_path(cfg)
     if cfg.preference.cache and path.is_file():
         log.info(f"Preference pairs: read from the cache {path}")
@@ -174,8 +208,10 @@ def cached_embedded_pairs(cfg, task_source, tokenizer, policy) -> dict[str, list
     indexed = {split: embedded_pairs(split, count, task_source, tokenizer, policy, cfg)
                for split, count in (("train", cfg.preference.num_train_pairs),
                                     ("validation", cfg.preference.num_validation_pairs))}
-    if cfg.preference.cache:
-        from posttrain.utils import write_json_atomic  # concurrent builders write the same content: last wins
+    if cfg.preference.cache and job_rank_and_size()[0] == 0:
+        # only rank 0 of a job writes (the others made the same pairs: the same seeds); the jobs
+        # of a sweep that build them at once write the same content: the last write wins
+        from posttrain.utils import write_json_atomic
 
         write_json_atomic(path, {split: [cached_row(index, pair) for index, pair in rows]
                                  for split, rows in indexed.items()})
@@ -346,14 +382,15 @@ def read_pair_row(row: dict, where: str, columns: dict, has_prompt: bool, chat: 
         if rejected_turns is not None and rejected_turns != chosen_turns:
             raise DataError(f"{where}: columns {columns['chosen']!r} and {columns['rejected']!r} are conversations "
                             f"whose turns before the last differ; a pair answers one prompt")
-        return PreferencePair(last_user_content(chosen_turns), chosen, rejected, "dataset", chosen_turns)
+        return PreferencePair(last_user_content(chosen_turns), chosen, rejected, "dataset", chosen_turns, origin=where)
     if not has_prompt:
         raise DataError(f"{where} has no column {columns['prompt']!r} (preference.columns.prompt), and column "
                         f"{columns['chosen']!r} holds text, not a conversation, so the pair has no prompt; its "
                         f"columns are {names}")
     cell = row[columns["prompt"]]
     messages = prompt_messages(cell, where, columns["prompt"], chat)
-    return PreferencePair(last_user_content(messages) if messages else cell, chosen, rejected, "dataset", messages)
+    return PreferencePair(last_user_content(messages) if messages else cell, chosen, rejected, "dataset", messages,
+                          origin=where)
 
 
 def response_of(cell, where: str, column: str, key: str) -> tuple[list[dict] | None, str]:

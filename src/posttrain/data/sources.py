@@ -43,16 +43,22 @@ class PromptLimits:
 
 
 class ArithmeticSource:
-    """Endless seeded addition problems; `style` picks the reference solution format."""
+    """Endless seeded addition problems; `style` picks the reference solution format
+    (``mixed``: verbose for a `verbose_share` of the problems, by a stable hash of the prompt)."""
 
-    def __init__(self, min_digits=3, max_digits=3, num_operands=2, style="concise", seed=0):
+    def __init__(self, min_digits=3, max_digits=3, num_operands=2, style="concise", seed=0, verbose_share=0.5):
         if style not in arithmetic.STYLES:
             raise ConfigError(f"data.style={style!r} is not one of {arithmetic.STYLES}")
+        is_number = isinstance(verbose_share, (int, float)) and not isinstance(verbose_share, bool)
+        if not (is_number and 0 <= verbose_share <= 1):
+            raise ConfigError(f"data.verbose_share={verbose_share!r} must be a number in [0, 1] (style=mixed: "
+                              f"the share of problems whose reference solution is verbose)")
         try:
             self.task = arithmetic.ArithmeticTask(min_digits, max_digits, num_operands, seed)
         except ValueError as err:
             raise ConfigError(f"data: {err}") from None
         self.style = style
+        self.verbose_share = float(verbose_share)
         self.alphabet = arithmetic.ALPHABET
         self.prompt_limits = PromptLimits()
 
@@ -70,7 +76,8 @@ class ArithmeticSource:
 
     def example(self, split: str, index: int) -> Example:
         problem = self.task.problem(split, index)
-        return Example(problem.prompt, problem.solution(self.style), str(problem.answer))
+        form = arithmetic.solution_style(problem.prompt, self.style, self.verbose_share)
+        return Example(problem.prompt, problem.solution(form), str(problem.answer))
 
     def is_correct(self, example: Example, response: str) -> bool:
         return arithmetic.verify_answer(example.prompt, response)
@@ -217,7 +224,8 @@ def build_source(data_cfg) -> ArithmeticSource | ListSource:
     limits = prompt_limits(data_cfg)
     if data_cfg.source == "arithmetic":
         source = ArithmeticSource(
-            data_cfg.min_digits, data_cfg.max_digits, data_cfg.num_operands, data_cfg.style, data_cfg.seed
+            data_cfg.min_digits, data_cfg.max_digits, data_cfg.num_operands, data_cfg.style, data_cfg.seed,
+            data_cfg.get("verbose_share", 0.5),  # read only by style=mixed (older configs lack the key)
         )
     elif data_cfg.source == "jsonl":
         source = JsonlSource(dict(data_cfg.files))

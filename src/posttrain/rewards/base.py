@@ -20,6 +20,7 @@ class ScoredSample:
     length: int        # response length in tokens (incl. EOS if generated)
     truncated: bool    # hit the generation budget without EOS
     group: int         # id shared by the G completions of one prompt
+    repeated: bool = False  # stopped early because it started looping (rollout.repetition)
 
 
 class RewardFunction(Protocol):

@@ -71,14 +71,45 @@ class OverlongReward:
 
 class LengthPenaltyReward:
     """Kimi k1.5 length reward: within each prompt's group, shorter correct responses
-    earn up to +0.5, longer ones down to -0.5; wrong ones are never rewarded for length."""
+    earn up to +0.5, longer ones down to -0.5; wrong ones are never rewarded for length.
+
+    `warmup`: rollout batches before it switches on (it scores 0 until then). Kimi k1.5 warms
+    up first: a length reward from the start stalls learning, since the shortest answers are
+    at first mostly the wrong ones. `only_groups_with_a_correct_answer`: score 0 in a group
+    with no right answer (see `kimi_length_reward`); false is Kimi's formula as published."""
 
     name = "length_penalty"
 
+    def __init__(self, warmup: int = 0, only_groups_with_a_correct_answer: bool = False):
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(f"warmup must be a number of rollout batches >= 0, got {warmup!r}")
+        if not isinstance(only_groups_with_a_correct_answer, bool):
+            raise ValueError(f"only_groups_with_a_correct_answer must be true or false, "
+                             f"got {only_groups_with_a_correct_answer!r}")
+        self.warmup = warmup
+        self.only_groups_with_a_correct_answer = only_groups_with_a_correct_answer
+        self.step = 0  # the rollout batch being scored (CompositeReward.set_step)
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
     def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        if self.step < self.warmup:
+            return torch.zeros(len(samples))
         lengths = torch.tensor([s.length for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-        return kimi_length_reward(lengths, verify(samples, source), groups)
+        return kimi_length_reward(lengths, verify(samples, source), groups, self.only_groups_with_a_correct_answer)
+
+
+class RepetitionReward:
+    """-1 for a response the rollout stopped because it started looping (`ScoredSample.repeated`,
+    rollout.repetition), else 0: its weight is the penalty. A component of `reward=composite`
+    like any other; with rollout.repetition.ngram=null nothing is ever flagged."""
+
+    name = "repetition"
+
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        return -torch.tensor([s.repeated for s in samples], dtype=torch.float32)
 
 
 # Config name -> constructor. Open for more: learned scorers (`reward_model`, `prm`) add
@@ -89,5 +120,6 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "format": FormatReward,
     "overlong": OverlongReward,
     "length_penalty": LengthPenaltyReward,
+    "repetition": RepetitionReward,
     "reward_model": RewardModelScorer,
 }

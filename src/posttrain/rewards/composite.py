@@ -39,6 +39,12 @@ class CompositeReward:
         self.on_error = on_error
         self.failure_score = float(failure_score)
 
+    def set_step(self, step: int) -> None:
+        """Tell the components that count rollout batches (a warm-up) which batch is scored next."""
+        for fn, _ in self.components:
+            if hasattr(fn, "set_step"):
+                fn.set_step(step)
+
     def __call__(self, samples: Sequence[ScoredSample], source) -> RewardOutput:
         batch = len(samples)
         total = torch.zeros(batch, dtype=torch.float32)

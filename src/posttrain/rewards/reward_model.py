@@ -8,7 +8,10 @@ one label and a pad token (what `algorithm=reward_model` writes). It is loaded o
 in eval mode, on the policy's device, and scores `prompt + response (+ EOS)` laid out the way
 SFT and preference training saw them (data/datamodule.py): the prompt rendered with the chat
 template when the task is chat-form, the response's tokens, and EOS when the response ended
-(a truncated one never did, so it gets none).
+(a truncated one never did, so it gets none). A row longer than the reward model's context
+(max_position_embeddings) keeps its last tokens: the prompt's start is dropped, the response's
+end, where the score is read, is kept; the share of rows cut is `rewards/reward_model/truncated_frac`
+(logged at the steps where any was).
 
 An ensemble (Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization")
 scores each sample by every model and returns mean - k * std over the models, k =
@@ -31,7 +34,7 @@ import torch
 from posttrain.core import ensemble_lower_bound
 from posttrain.data.datamodule import prompt_text, prompt_token_ids
 from posttrain.errors import ConfigError
-from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, first_line_of
+from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, first_line_of, model_context
 from posttrain.rewards.base import ScoredSample
 
 KEY = "reward.components.reward_model"
@@ -99,23 +102,35 @@ class RewardModelScorer:
     # --- scoring -------------------------------------------------------------------------------
     def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
         models = self.models()
+        self._metrics = {}  # this call's: score_with adds the truncated share
         per_model = torch.stack([self.score_with(model, tokenizer, samples)
                                  for model, tokenizer in zip(models, self._tokenizers)])
         scores, spread = ensemble_lower_bound(per_model, self.std_coef)
         if len(models) > 1:  # one model's mean is rewards/reward_model/mean already
-            self._metrics = {f"rewards/{self.name}/model{i}/mean": float(row.mean()) for i, row in enumerate(per_model)}
+            self._metrics.update({f"rewards/{self.name}/model{i}/mean": float(row.mean())
+                                  for i, row in enumerate(per_model)})
             self._metrics[f"rewards/{self.name}/std"] = float(spread.mean())
         return scores
 
     def take_metrics(self) -> dict[str, float]:
-        """The per-model means (and the ensemble's spread) of the last call, for the composite to log."""
+        """The per-model means (and the ensemble's spread) of the last call, and the share of its rows
+        cut to a model's context where any was, for the composite to log."""
         metrics, self._metrics = self._metrics, {}
         return metrics
 
     @torch.no_grad()
     def score_with(self, model, tokenizer, samples: Sequence[ScoredSample]) -> torch.Tensor:
-        """[B] float32 scores of one model, `batch_size` rows per forward."""
+        """[B] float32 scores of one model, `batch_size` rows per forward. A row longer than the
+        model's context keeps its last tokens (the score is read at the last one, the response's
+        end); the share of rows cut is logged as rewards/reward_model/truncated_frac."""
         rows = [self.token_row(tokenizer, sample) for sample in samples]
+        context = model_context(model.config)
+        if context is not None and rows:
+            cut = sum(len(row) > context for row in rows)
+            if cut:
+                key = f"rewards/{self.name}/truncated_frac"  # of an ensemble: the most any model cut
+                self._metrics[key] = max(self._metrics.get(key, 0.0), cut / len(rows))
+                rows = [row[-context:] for row in rows]
         pad_id = model.config.pad_token_id
         scores = []
         for start in range(0, len(rows), self.batch_size):

@@ -31,6 +31,8 @@ from typing import Iterator, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from .repetition import RepetitionRule
+
 
 @dataclass
 class SamplingParams:
@@ -42,6 +44,7 @@ class SamplingParams:
     top_k: int = 0
     greedy: bool = False
     return_support: bool = False  # fill RolloutBatch.support_size / support_logprobs
+    repetition: Optional[RepetitionRule] = None  # stop looping rows (repetition.py); None: off
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -55,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.repetition is not None:
+            self.repetition.validate()
 
     @property
     def logprob_temperature(self) -> float:
@@ -73,10 +78,13 @@ class RolloutBatch:
     response_ids: torch.Tensor  # [B, T] long, pad after the EOS (the EOS itself is kept)
     response_mask: torch.Tensor  # [B, T] long, 1 = generated token, including the ending EOS
     logprobs: torch.Tensor  # [B, T] float, log_softmax(logits / T) of the sampled token; 0 on padding
-    truncated: torch.Tensor  # [B] bool, True = hit max_new_tokens without EOS
+    truncated: torch.Tensor  # [B] bool, True = hit max_new_tokens without EOS (and not stopped as repeated)
     # Only with SamplingParams.return_support (else None); both 0 on padding:
     support_size: Optional[torch.Tensor] = None  # [B, T] int32, tokens kept by top-k/top-p (V if no filter)
     support_logprobs: Optional[torch.Tensor] = None  # [B, T] float, log-prob renormalised over that support
+    # [B] bool, True = stopped early because it started looping (SamplingParams.repetition), without
+    # an EOS; always filled by the engines (all False when the check is off)
+    repeated: Optional[torch.Tensor] = None
 
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
@@ -225,10 +233,13 @@ def finalize_rollout(
     pad_token_id: int,
     support_sizes: Optional[torch.Tensor] = None,
     support_logprobs: Optional[torch.Tensor] = None,
+    repeated_at: Optional[torch.Tensor] = None,
 ) -> RolloutBatch:
     """Turn what a loop sampled ([B, T'] tokens, T' <= T; anything after a row's first EOS
     is ignored) into a RolloutBatch padded to T = max_new_tokens columns.  The optional
     ``support_*`` [B, T'] (see ``support_of``) are padded the same way, with 0.
+    ``repeated_at`` [B] (``RepetitionDetector.repeated_at``; -1: none) ends a looping row after
+    that step's token, without an EOS, and flags it ``repeated`` rather than ``truncated``.
 
     Doing the EOS bookkeeping once here, vectorised, keeps it out of the per-token loop.
     """
@@ -240,9 +251,15 @@ def finalize_rollout(
     is_eos[:, steps:] = False  # the pad filler may equal an EOS id
     # a token is part of the response if no EOS came strictly before it
     eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
-    in_response = (eos_before == 0) & (torch.arange(max_new_tokens, device=device) < steps)
+    position = torch.arange(max_new_tokens, device=device)
+    in_response = (eos_before == 0) & (position < steps)
+    if repeated_at is None:
+        repeated = torch.zeros(batch, dtype=torch.bool, device=device)
+    else:
+        repeated = repeated_at >= 0
+        in_response &= ~repeated[:, None] | (position[None, :] <= repeated_at[:, None])
     tokens = tokens.masked_fill(~in_response, pad_token_id)
-    truncated = ~is_eos.any(dim=1)
+    truncated = ~is_eos.any(dim=1) & ~repeated
 
     def per_token(raw: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
         if raw is None:
@@ -260,6 +277,7 @@ def finalize_rollout(
         truncated=truncated,
         support_size=per_token(support_sizes, torch.int32),
         support_logprobs=per_token(support_logprobs, torch.float32),
+        repeated=repeated,
     )
 
 

@@ -5,7 +5,8 @@ static cache; see functional.py).  Any other causal LM, or a sharded one, falls 
 generic loop over the HF forward with ``past_key_values``: correct, just slower.
 
 Per step the loop only samples, stores the token and its log-prob, and checks whether
-every row has produced an EOS, to stop early.  Masking and padding after EOS happen once,
+every row has produced an EOS or started looping (``SamplingParams.repetition``,
+repetition.py), to stop early.  Masking and padding after EOS happen once,
 vectorised, in ``finalize_rollout``; a finished row keeps being fed its own samples until
 all rows are done (that arithmetic is paid for anyway and is discarded).
 
@@ -32,6 +33,7 @@ from .base import (
     sample_next_token,
 )
 from .functional import FunctionalDecoder, unsupported_reason, without_adapter_wrapper
+from .repetition import RepetitionDetector
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,9 @@ class FastSampler:
             support_logprobs = torch.empty((steps_max, batch), dtype=torch.float32, device=device)
         single_eos = int(eos[0]) if eos.numel() == 1 else None
         done = torch.zeros(batch, dtype=torch.bool, device=device)
+        # a looping row is done too (repetition.py); no check when the budget is below the window
+        rule = params.repetition
+        detector = RepetitionDetector(rule, batch, device) if rule is not None and steps_max >= rule.window else None
         # the all-done check reads a value back; on an accelerator that is a sync, so do
         # it every few steps there (rows finished in between are masked later anyway)
         check_every = 1 if device.type == "cpu" else 8
@@ -107,6 +112,8 @@ class FastSampler:
             logprobs[steps] = logprob
             if support is not None:
                 support_sizes[steps], support_logprobs[steps] = support
+            if detector is not None:
+                done |= detector.update(steps, token, done)
             steps += 1
             done |= (token == single_eos) if single_eos is not None else torch.isin(token, eos)
             if steps == steps_max or (steps % check_every == 0 and bool(done.all())):
@@ -125,6 +132,7 @@ class FastSampler:
             eos,
             pad_token_id,
             **support,
+            repeated_at=detector.repeated_at if detector is not None else None,
         )
 
 

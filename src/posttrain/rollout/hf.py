@@ -26,6 +26,7 @@ from .base import (
     sampling_logits_processor,
     support_of,
 )
+from .repetition import first_repetition
 
 
 class _SharedProcessor(LogitsProcessor):
@@ -95,6 +96,9 @@ class HFSampler:
             processed, keep = sampling_logits_processor(raw_logits, params)
             sizes, support_logprobs = support_of(processed, keep, raw_tokens)
             support = {"support_sizes": sizes, "support_logprobs": support_logprobs}
+        # a looping row is cut post hoc where ``fast`` would have stopped it (same check, replayed);
+        # HF samples every row at every step, so the other rows' draws do not depend on the cut
+        repeated_at = first_repetition(raw_tokens, eos, params.repetition) if params.repetition is not None else None
         return finalize_rollout(
             prompt_ids,
             prompt_mask,
@@ -104,4 +108,5 @@ class HFSampler:
             eos,
             pad_token_id,
             **support,
+            repeated_at=repeated_at,
         )

@@ -48,6 +48,7 @@ from torch import nn
 from posttrain.errors import ConfigError
 
 from .base import RolloutBatch, SamplingParams, check_prompts, eos_tensor, finalize_rollout
+from .repetition import RepetitionRule, first_repetition
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +187,11 @@ def rollout_from_outputs(
     eos: torch.Tensor,
     pad_token_id: int,
     with_logprobs: bool,
+    repetition: Optional[RepetitionRule] = None,
 ) -> RolloutBatch:
     """vLLM's ``RequestOutput`` list (one request per row, in row order) as a RolloutBatch,
-    padded and masked by the same ``finalize_rollout`` as the other engines.
+    padded and masked by the same ``finalize_rollout`` as the other engines. A looping row
+    (``repetition``) is cut post hoc where ``fast`` would have stopped it.
 
     vLLM ends a row at its first stop token, which it keeps in ``token_ids``
     (finish_reason "stop"), or after ``max_tokens`` tokens ("length"): anything else would
@@ -216,8 +219,10 @@ def rollout_from_outputs(
         raw_tokens[row, :length] = torch.tensor(list(completion.token_ids), dtype=torch.long)
         raw_logprobs[row, :length] = torch.tensor(sampled_logprobs(completion, with_logprobs), dtype=torch.float32)
     device = prompt_ids.device
-    return finalize_rollout(prompt_ids, prompt_mask, raw_tokens.to(device), raw_logprobs.to(device), max_new_tokens,
-                            eos, pad_token_id)
+    raw_tokens = raw_tokens.to(device)
+    repeated_at = first_repetition(raw_tokens, eos, repetition) if repetition is not None else None
+    return finalize_rollout(prompt_ids, prompt_mask, raw_tokens, raw_logprobs.to(device), max_new_tokens,
+                            eos, pad_token_id, repeated_at=repeated_at)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -295,7 +300,7 @@ class VLLMEngine:
         finally:
             self._sleep()
         return rollout_from_outputs(outputs, prompt_ids, prompt_mask, params.max_new_tokens, eos, pad_token_id,
-                                    with_logprobs)
+                                    with_logprobs, params.repetition)
 
     def close(self) -> None:
         """Free the engine (GPU memory, the exported config); a later ``generate`` builds it again."""
