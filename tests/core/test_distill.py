@@ -10,7 +10,6 @@ from posttrain.core.distill import (
     distill_divergence,
     forward_kl,
     generalized_jsd,
-    kdrl_k2_loss,
     kdrl_loss,
     kdrl_reward_mask,
     reverse_kl,
@@ -86,17 +85,17 @@ def test_sampled_reverse_kl_is_unbiased_for_reverse_kl():
     assert exact.item() == pytest.approx(reverse_kl(s_logits.view(1, 1, -1), t_logits.view(1, 1, -1)).item())
 
 
-def test_kdrl_k2_loss_and_reward_masking():
+def test_kdrl_loss_k2_and_reward_masking():
     s = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]], dtype=D, requires_grad=True)
     t = torch.tensor([[-2.0, -2.0, -9.0], [-1.5, -0.5, -1.0]], dtype=D)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    loss, stats = kdrl_k2_loss(s, t, mask)
+    loss, stats = kdrl_loss(s, t, mask, estimator="k2")
     k2 = [0.5, 0.0, 0.125, 0.125, 0.0]
     assert loss.item() == pytest.approx(sum(k2) / 5)
     rm = kdrl_reward_mask(torch.tensor([1.0, 0.0]))  # positive reward -> no distillation
     assert rm.tolist() == [0.0, 1.0]
     assert kdrl_reward_mask(torch.tensor([1, 0, -1])).tolist() == [0.0, 1.0, 1.0]
-    loss, stats = kdrl_k2_loss(s, t, mask, reward_mask=rm)
+    loss, stats = kdrl_loss(s, t, mask, reward_mask=rm, estimator="k2")
     assert loss.item() == pytest.approx(0.25 / 5)  # counts still from the full mask
     assert stats["masked_frac"].item() == 0.5
     assert stats["kl"].item() == pytest.approx(0.25 / 3)
@@ -104,7 +103,7 @@ def test_kdrl_k2_loss_and_reward_masking():
     assert (s.grad[0] == 0).all()
     torch.testing.assert_close(s.grad[1], (s.detach()[1] - t[1]) / 5)
     with pytest.raises(ValueError, match="teacher_logp"):
-        kdrl_k2_loss(s, torch.full_like(t, float("nan")), mask)
+        kdrl_loss(s, torch.full_like(t, float("nan")), mask)
 
 
 # Logits whose softmax at T = 2 is exact: logits / 2 = log of the probabilities (up to a constant).
@@ -202,8 +201,8 @@ def test_kdrl_loss_k3_and_reward_threshold():
     loss, stats = kdrl_loss(s, t, mask, estimator="k3")
     assert loss.item() == pytest.approx(sum(k3) / 4)
     assert stats["kl"].item() == pytest.approx(sum(k3) / 4)
-    # k2 is the default, and kdrl_k2_loss is kdrl_loss with k2
-    assert kdrl_loss(s, t, mask)[0].item() == pytest.approx(kdrl_k2_loss(s, t, mask)[0].item())
+    # k2 is the default
+    assert kdrl_loss(s, t, mask)[0].item() == pytest.approx(kdrl_loss(s, t, mask, estimator="k2")[0].item())
     assert kdrl_loss(s, t, mask)[0].item() == pytest.approx((0.5 + 0.0 + 0.125 + 0.0) / 4)  # k2 = (s - t)^2 / 2
     # the threshold: distil on rewards at or below it
     assert kdrl_reward_mask(torch.tensor([0.2, 0.5, 0.9]), threshold=0.5).tolist() == [1.0, 1.0, 0.0]

@@ -14,7 +14,7 @@ from posttrain.core import (
     bradley_terry_loss,
     distill_divergence,
     entropy_from_logits,
-    kdrl_k2_loss,
+    kdrl_loss,
     logprobs_from_logits,
     preference_loss,
 )
@@ -144,5 +144,5 @@ def test_distill_divergences(name):
 
 def test_kdrl_k2():
     teacher = OLD - 0.2
-    fn = lambda lp: kdrl_k2_loss(lp, teacher, MASK, reward_mask=torch.tensor([1.0, 0.0, 1.0]))[0]  # noqa: E731
+    fn = lambda lp: kdrl_loss(lp, teacher, MASK, reward_mask=torch.tensor([1.0, 0.0, 1.0]), estimator="k2")[0]  # noqa: E731
     assert gradcheck(fn, (_logp(),))

@@ -84,14 +84,14 @@ def test_group_statistics_non_contiguous_ids():
 def _masked_losses():
     """Every differentiable masked loss in core as fn(x [2,3], garbage-bearing inputs) -> scalar."""
     from posttrain.core import (
-        POLICY_LOSSES, aggregate_loss, kdrl_k2_loss, kl_penalty, ptx_loss, value_loss,
+        POLICY_LOSSES, aggregate_loss, kdrl_loss, kl_penalty, ptx_loss, value_loss,
     )
 
     out = {f"policy/{n}": (lambda n: lambda x, o, a: POLICY_LOSSES[n](x, o, a, PAD_MASK)[0])(n) for n in POLICY_LOSSES}
     for k in ("k1", "k2", "k3", "k3_unbiased", "k3_st"):
         out[f"kl/{k}"] = (lambda k: lambda x, o, a: aggregate_loss(kl_penalty(k, x, o, o, mask=PAD_MASK), PAD_MASK, "token-mean"))(k)
     out["value"] = lambda x, o, a: value_loss(x, o, a, PAD_MASK, clip_range=0.2)[0]
-    out["kdrl"] = lambda x, o, a: kdrl_k2_loss(x, o, PAD_MASK)[0]
+    out["kdrl"] = lambda x, o, a: kdrl_loss(x, o, PAD_MASK)[0]
     out["ptx"] = lambda x, o, a: ptx_loss(x, PAD_MASK)
     return out
 

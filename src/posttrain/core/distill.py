@@ -185,8 +185,3 @@ def kdrl_loss(
         "masked_frac": masked_mean((~used.any(-1)).to(kl.dtype), nonempty),
     }
     return loss, stats
-
-
-def kdrl_k2_loss(student_logp, teacher_logp, mask, reward_mask=None, agg_mode="token-mean", **counts):
-    """KDRL's default KD term: ``kdrl_loss`` with the k2 estimator."""
-    return kdrl_loss(student_logp, teacher_logp, mask, reward_mask, agg_mode, estimator="k2", **counts)

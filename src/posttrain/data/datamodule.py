@@ -119,16 +119,18 @@ def collate_sft(examples: list[Example], tokenizer) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": label_ids}
 
 
-def right_padded(rows: list[list[int]], labels: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """(input_ids, attention_mask, labels) [B, T] of token rows padded on the right (labels with -100)."""
+def right_padded(rows: list[list[int]], labels: list[list[int]] | None, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids, attention_mask, labels) [B, T] of token rows padded on the right (labels with
+    -100; None without `labels`)."""
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    label_ids = torch.full((len(rows), width), -100, dtype=torch.long)
+    label_ids = torch.full((len(rows), width), -100, dtype=torch.long) if labels is not None else None
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (row, label) in enumerate(zip(rows, labels)):
+    for i, row in enumerate(rows):
         input_ids[i, : len(row)] = torch.tensor(row)
-        label_ids[i, : len(row)] = torch.tensor(label)
         attention_mask[i, : len(row)] = 1
+        if labels is not None:
+            label_ids[i, : len(row)] = torch.tensor(labels[i])
     return input_ids, attention_mask, label_ids
 
 

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from posttrain.core import ensemble_lower_bound
-from posttrain.data.datamodule import prompt_text, prompt_token_ids
+from posttrain.data.datamodule import prompt_text, prompt_token_ids, right_padded
 from posttrain.errors import ConfigError
 from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, first_line_of, model_context
 from posttrain.rewards.base import ScoredSample
@@ -134,7 +134,9 @@ class RewardModelScorer:
         pad_id = model.config.pad_token_id
         scores = []
         for start in range(0, len(rows), self.batch_size):
-            input_ids, attention_mask = right_padded(rows[start:start + self.batch_size], pad_id, model.device)
+            # right-padded: the sequence classifier reads its score at each row's last non-pad token
+            input_ids, attention_mask, _ = right_padded(rows[start:start + self.batch_size], None, pad_id)
+            input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
             scores.append(model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 
@@ -148,18 +150,6 @@ class RewardModelScorer:
             prompt = tokenizer(prompt_text(example, tokenizer), add_special_tokens=False)["input_ids"]
         response = tokenizer(sample.response, add_special_tokens=False)["input_ids"]
         return prompt + response + ([] if sample.truncated else [tokenizer.eos_token_id])
-
-
-def right_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] ids right-padded with `pad_id` and their attention mask: the sequence classifier
-    reads its score at each row's last non-pad token."""
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, :len(row)] = 1
-    return input_ids.to(device), attention_mask.to(device)
 
 
 # --- checks and loading of a reward model directory -------------------------------------------------
