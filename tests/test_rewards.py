@@ -312,6 +312,7 @@ def test_bad_top_level_config_is_a_config_error():
 
 
 EXPECTED_COMPONENTS = {
+    "prm": ["prm", "accuracy"],
     "accuracy": ["accuracy"],
     "repetition": ["accuracy", "repetition"],
     "format": ["accuracy", "format"],
@@ -326,6 +327,8 @@ EXPECTED_COMPONENTS = {
                                         if p.stem != "reward_model"), ids=lambda p: p.stem)
 def test_every_reward_config_builds_and_scores(path):
     cfg = OmegaConf.load(path)
+    if path.stem == "prm":  # its PRM's options come from the prm group
+        cfg = OmegaConf.merge(cfg, {"components": {"prm": OmegaConf.load(Path(CONFIG_DIR) / "prm" / "oracle.yaml")}})
     assert cfg.name == path.stem
     reward = build_reward(cfg, SOURCE, max_new_tokens=8)
     assert [fn.name for fn, _ in reward.components] == EXPECTED_COMPONENTS[path.stem]

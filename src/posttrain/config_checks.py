@@ -344,6 +344,8 @@ SPECS: dict[str, Spec] = {
     "rollout.top_p": number(0, 1, low_open=True).about("1: off"),
     "rollout.top_k": integer(0).about("0: off"),
     "rollout.max_new_tokens": integer(1).about("generation budget in tokens"),
+    "rollout.prm_stop_below": optional(number()).about("cut a response after a step the PRM scores below this; "
+                                                       "null: off"),
     "rollout.repetition.ngram": optional(integer(1)).about("longest repeated block looked for, in tokens; null: off"),
     "rollout.repetition.window": integer(2).about("a loop fills the last window tokens; >= 2 x ngram"),
     # rollout=vllm's engine settings (rollout/vllm.py)
@@ -362,6 +364,7 @@ SPECS: dict[str, Spec] = {
     "data.style": choice(*STYLES),
     "data.verbose_share": number(0, 1).about("style=mixed: share of problems with a verbose reference solution"),
     "data.seed": SEED,
+    "data.step_separators": optional(list_of(pattern(r"(?s).+", "a non-empty string"))).about("process rewards: a step ends at each token holding one"),
     "data.max_response_tokens": integer(1).about("generation budget in tokens"),
     "data.max_prompt_tokens": optional(integer(1)).about("null: the model's context decides"),
     "data.truncate_prompts": optional(choice(*TRUNCATE_OPTIONS)).about("null: an over-long prompt is an error"),
@@ -446,6 +449,16 @@ SPECS: dict[str, Spec] = {
     "reward.components.reward_model.std_coef": number(0).about("k of an ensemble's mean - k * std"),
     "reward.components.reward_model.batch_size": integer(1).about("rows per reward-model forward"),
     "reward.components.reward_model.share_tokenizer": boolean(),
+    "reward.components.prm.step_reward": choice("marginal", "raw", "min").about(
+        "step rewards from PRM scores: s_k - s_(k-1) | s_k | PURE's min-form"),
+    "reward.components.prm.model": choice("oracle", "learned").about("the PRM (from the prm group)"),
+    "reward.components.prm.path": optional(text()).about("a learned PRM's directory"),
+    "reward.components.prm.oracle_score": choice("prefix", "step"),
+    "reward.components.prm.batch_size": integer(1).about("rows per PRM forward"),
+    "prm.model": choice("oracle", "learned").about("oracle: the task's step verifier | learned: an algorithm=prm export"),
+    "prm.path": optional(text()).about("the hf_model/ of an algorithm=prm run (prm=learned)"),
+    "prm.oracle_score": choice("prefix", "step").about("prefix: 1 while every step so far is right | step: each alone"),
+    "prm.batch_size": integer(1).about("rows per PRM forward"),
     "reward.components.*": mapping("{weight: 1.0} (drop a component with ~reward.components.<name>)"),
     "reward.components.*.weight": number(),
     "reward.components.*.target": pattern(r"[\w.]+\.\w+", "a dotted path 'package.module.function'"),
@@ -522,6 +535,16 @@ SPECS: dict[str, Spec] = {
     "preference.chat": boolean(),
     "algorithm.margin": number().about("Bradley-Terry margin m: -log sigma(s_w - s_l - m)"),
     "algorithm.center_coef": number(0).about("reward centering: + center_coef (s_w + s_l)^2"),
+    # --- the process reward model (algorithm=prm) and its step rows (data/process.py) ---
+    "algorithm.labels": choice("verifier", "monte_carlo").about("where the step labels come from"),
+    "algorithm.process_data.num_train_prompts": integer(1).about("training prompts sampled from"),
+    "algorithm.process_data.num_validation_prompts": integer(1).about("held-out prompts sampled from"),
+    "algorithm.process_data.samples_per_prompt": integer(1).about("sampled responses per prompt"),
+    "algorithm.process_data.temperature": POSITIVE.about("sampling temperature"),
+    "algorithm.process_data.rollouts_per_step": integer(1).about("monte_carlo: completions from each step's prefix"),
+    "algorithm.process_data.hard_labels": boolean().about("monte_carlo: any completion right (HE) or the share (SE)"),
+    "algorithm.process_data.seed": SEED,
+    "algorithm.process_data.cache": boolean(),
 }
 
 PATTERNS = [key for key in SPECS if "*" in key]
@@ -713,10 +736,10 @@ def advantage_fits_the_algorithm(v: Values):
     if not v.online():
         return
     advantage, critic = v["advantage.name"], v.get("algorithm.critic")
-    if advantage == "prm_step":
-        yield ("advantage=prm_step needs a process reward model, which this algorithm does not have; use "
-               "group_norm, group_mean, rloo, reinforce_pp, reinforce_pp_baseline, or gae with a critic "
-               "(algorithm=ppo)")
+    if advantage == "prm_step" and not v.get("reward.components.prm.weight"):
+        yield ("advantage=prm_step credits each step with a process reward model's reward, but the reward has none: use "
+               "reward=prm (prm=oracle | learned), or group_norm, group_mean, rloo, reinforce_pp, "
+               "reinforce_pp_baseline, or gae with a critic (algorithm=ppo)")
     elif (advantage == "gae") != (critic is not None):
         yield ("advantage=gae needs a critic and a critic needs advantage=gae: use algorithm=ppo, or another "
                f"advantage (got advantage={advantage}, algorithm.critic={'set' if critic is not None else 'null'})")

@@ -28,6 +28,9 @@ class Experience:
     support_size: torch.Tensor | None = None       # [B, T] kept top-k/top-p support per token
     support_logprobs: torch.Tensor | None = None   # [B, T] sampler log-probs renormalised on it
     repeated: torch.Tensor | None = None           # [B] bool, stopped early for looping (rollout.repetition)
+    prm_stopped: torch.Tensor | None = None        # [B] bool, cut at a low PRM score (rollout.prm_stop_below)
+    step_rewards: torch.Tensor | None = None       # [B, T] process reward of each step at its last token (reward=prm)
+    step_mask: torch.Tensor | None = None          # [B, T] bool, True at each step's last token
     # --- annotate: one field per scorer ---
     old_logp: torch.Tensor | None = None   # [B, T] pi_old (None on-policy: the training forward's own)
     ref_logp: torch.Tensor | None = None   # [B, T] frozen reference
@@ -74,8 +77,8 @@ class Experience:
         return Experience(**merged)
 
 
-PER_TOKEN = ("response_ids", "response_mask", "rollout_logprobs", "support_size", "support_logprobs", "old_logp",
-             "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
+PER_TOKEN = ("response_ids", "response_mask", "rollout_logprobs", "support_size", "support_logprobs", "step_rewards",
+             "step_mask", "old_logp", "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
 
 
 def sequence_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:

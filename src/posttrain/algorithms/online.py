@@ -57,6 +57,7 @@ from posttrain.algorithms.terms import DistillTerm, EntropyTerm, KLTerm, MicroBa
 from posttrain.checkpoints import this_ranks, with_every_rank
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
+from posttrain.data.steps import source_step_rule, split_response
 from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.errors import ConfigError, RewardError
 from posttrain.models.lora import reference_is_the_base, reference_model
@@ -111,10 +112,8 @@ class OnlineRLModule(PosttrainModule):
             raise ConfigError(f"algorithm.policy_loss={policy_loss!r} is not one of {sorted(core.POLICY_LOSSES)}")
         if loss_agg_mode not in core.AGGREGATION_MODES:
             raise ConfigError(f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of {core.AGGREGATION_MODES}")
-        if advantage.name not in core.ADVANTAGE_ESTIMATORS or advantage.name == "prm_step":
-            raise ConfigError(f"advantage={advantage.name} needs a process reward model, which this algorithm "
-                              f"does not have; use group_norm, group_mean, rloo, reinforce_pp, "
-                              f"reinforce_pp_baseline, or gae with a critic (algorithm=ppo)")
+        if advantage.name not in core.ADVANTAGE_ESTIMATORS:
+            raise ConfigError(f"advantage={advantage.name!r} is not one of {sorted(core.ADVANTAGE_ESTIMATORS)}")
         if (advantage.name == "gae") != (critic is not None):
             raise ConfigError("advantage=gae needs a critic and a critic needs advantage=gae: use algorithm=ppo, "
                               f"or another advantage (got advantage={advantage.name}, "
@@ -211,6 +210,12 @@ class OnlineRLModule(PosttrainModule):
         check_core_options(self)
         self.reward_cfg = reward
         self.reward_fn = build_reward(reward, source, rollout.max_new_tokens, policy=policy, tokenizer=tokenizer)
+
+        # --- process rewards: responses split into steps (data/steps.py) for a PRM to score ---
+        self.process_reward = process_reward_of(self.reward_fn)
+        self.prm_stop_below = rollout.get("prm_stop_below")
+        check_process_options(self, advantage.name)
+        self.step_rule = source_step_rule(source) if self.process_reward is not None else None
         self.curriculum = None    # built in setup(), when this process's rank is known
         self.ptx_cursor = None
         self.nonfinite_steps = 0  # optimiser steps skipped for a non-finite gradient norm
@@ -323,21 +328,60 @@ class OnlineRLModule(PosttrainModule):
         prompt_ids = prompts["prompt_ids"].to(self.device).repeat_interleave(self.group_size, dim=0)
         prompt_mask = prompts["prompt_mask"].to(self.device).repeat_interleave(self.group_size, dim=0)
         batch = self.generate(prompt_ids, prompt_mask, self.sampling_params(), generator=generator)
-        texts = decode_responses(self.tokenizer, batch.response_ids, batch.response_mask)
-        lengths = batch.response_lengths().tolist()
-        groups = [first_group + i // self.group_size for i in range(len(texts))]
-        samples = [ScoredSample(examples[i // self.group_size], texts[i], lengths[i], bool(batch.truncated[i]), groups[i],
-                                repeated=bool(batch.repeated[i])) for i in range(len(texts))]
+        groups = [first_group + i // self.group_size for i in range(len(batch.response_ids))]
+        samples, step_ends = self.scored_samples(batch, examples, groups)
+        prm_stopped = None
+        if self.prm_stop_below is not None:
+            samples, step_ends, prm_stopped = self.stop_at_low_prm_steps(batch, samples, step_ends)
         scored = self.reward_fn(samples, self.source)
-        correct = scored.correct.float() if scored.correct is not None else torch.full((len(texts),), float("nan"))
+        correct = scored.correct.float() if scored.correct is not None else torch.full((len(samples),), float("nan"))
         experience = Experience(
             prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, response_ids=batch.response_ids,
             response_mask=batch.response_mask.float(), rollout_logprobs=batch.logprobs, truncated=batch.truncated,
             scores=scored.total.to(self.device), correct=correct.to(self.device),
             group_index=torch.tensor(groups, device=self.device), support_size=batch.support_size,
-            support_logprobs=batch.support_logprobs, repeated=batch.repeated,
+            support_logprobs=batch.support_logprobs, repeated=batch.repeated, prm_stopped=prm_stopped,
         )
+        if scored.step_rewards is not None:
+            rewards, ends = place_step_rewards(scored.step_rewards, step_ends, batch.response_mask.shape)
+            experience.step_rewards, experience.step_mask = rewards.to(self.device), ends.to(self.device)
         return experience, scored.metrics
+
+    def scored_samples(self, batch, examples, groups) -> tuple[list[ScoredSample], list[list[int]] | None]:
+        """The reward's view of each response, split into steps when a process reward reads them
+        (then also each step's last token index)."""
+        texts = decode_responses(self.tokenizer, batch.response_ids, batch.response_mask)
+        lengths = batch.response_lengths().tolist()
+        samples = [ScoredSample(examples[i // self.group_size], texts[i], lengths[i], bool(batch.truncated[i]), groups[i],
+                                repeated=bool(batch.repeated[i])) for i in range(len(texts))]
+        if self.step_rule is None:
+            return samples, None
+        step_ends = []
+        for sample, ids, mask in zip(samples, batch.response_ids, batch.response_mask):
+            steps = split_response(self.step_rule, self.tokenizer, ids[mask.bool()].tolist())
+            sample.steps = steps.texts
+            step_ends.append(steps.ends)
+        return samples, step_ends
+
+    def stop_at_low_prm_steps(self, batch, samples, step_ends):
+        """PRM early stop (rollout.prm_stop_below): a response is cut after its first step whose
+        PRM score falls below the threshold, as if generation had stopped there; the rest of its
+        tokens become padding. Returns the samples and step ends of the cut batch, and the [B]
+        flags. (The cut comes after generation, so it saves training and scoring, not sampling.)"""
+        scores = self.process_reward.prm.step_scores(samples, self.source)
+        stopped = torch.zeros(len(samples), dtype=torch.bool, device=batch.response_ids.device)
+        for i, (sample, row_scores, ends) in enumerate(zip(samples, scores, step_ends)):
+            low = [k for k, score in enumerate(row_scores[:-1]) if score < self.prm_stop_below]
+            if not low:
+                continue
+            keep = low[0] + 1  # steps kept: up to and including the first low one
+            batch.response_mask[i, ends[low[0]] + 1:] = 0
+            batch.response_ids[i, ends[low[0]] + 1:] = self.tokenizer.pad_token_id
+            stopped[i], batch.truncated[i] = True, False
+            sample.steps, step_ends[i] = sample.steps[:keep], ends[:keep]
+            sample.response = "".join(sample.steps)
+            sample.length, sample.prm_stopped = ends[low[0]] + 1, True
+        return samples, step_ends, stopped
 
     def collect(self, step: int) -> tuple[Experience, dict, bool]:
         """Prompts -> samples -> rewards, with dynamic sampling's extra rounds when the
@@ -385,9 +429,17 @@ class OnlineRLModule(PosttrainModule):
     @torch.no_grad()
     def compute_advantages(self, exp: Experience) -> tuple[Experience, dict]:
         mask = exp.response_mask
-        token_rewards = torch.zeros_like(mask)
         last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-        token_rewards[torch.arange(len(last)), last] = exp.scores.float()
+        step_options = {}
+        if self.advantage_name == "prm_step":
+            # each step's process reward at its last token; the other components' part of the
+            # score (an outcome reward mixed in) joins it at the last token, which ends the last step
+            token_rewards = exp.step_rewards.clone()
+            token_rewards[torch.arange(len(last)), last] += exp.scores.float() - exp.step_rewards.sum(dim=1)
+            step_options["step_mask"] = exp.step_mask
+        else:
+            token_rewards = torch.zeros_like(mask)
+            token_rewards[torch.arange(len(last)), last] = exp.scores.float()
         metrics = {}
         if self.kl_in_reward:
             kl = core.kl_penalty(self.kl_name, exp.old_logp, exp.ref_logp, exp.old_logp, **self.kl_options)
@@ -397,7 +449,7 @@ class OnlineRLModule(PosttrainModule):
         exp.token_rewards = token_rewards
         exp.advantages, exp.returns = core.compute_advantages(self.advantage_name, token_rewards, mask,
                                                               exp.group_index, values=exp.values,
-                                                              **self.advantage_options)
+                                                              **self.advantage_options, **step_options)
         if self.distill_mode == "reward":
             # on-policy distillation: each token's own reward coef * (log p_T(y_t) - log p_S(y_t)),
             # the negated sample of reverse KL, is added to its advantage as it is (no baseline,
@@ -623,9 +675,42 @@ class OnlineRLModule(PosttrainModule):
         }
         if exp.repeated is not None:
             metrics["rollout/repetition_frac"] = float(exp.repeated.float().mean())
+        if exp.prm_stopped is not None:
+            metrics["rollout/prm_stop_frac"] = float(exp.prm_stopped.float().mean())
         if not torch.isnan(exp.correct).any():
             metrics["rollout/accuracy"] = float(exp.correct.mean())
         return metrics
+
+
+def process_reward_of(reward_fn):
+    """The composite's process reward component (reward=prm) when it weighs in, else None."""
+    for fn, weight in reward_fn.components:
+        if hasattr(fn, "take_step_rewards") and weight:
+            return fn
+    return None
+
+
+def check_process_options(module: OnlineRLModule, advantage_name: str) -> None:
+    """ConfigErrors naming the keys for step-level options without a process reward to read."""
+    if advantage_name == "prm_step" and module.process_reward is None:
+        raise ConfigError("advantage=prm_step credits each reasoning step with a process reward model's reward, but "
+                          "the reward has none: use reward=prm (with prm=oracle or prm=learned), or another advantage")
+    if advantage_name == "prm_step" and module.kl_in_reward:
+        raise ConfigError("advantage=prm_step reads rewards at step ends only, so kl_estimator.placement=in_reward "
+                          "would drop the per-token KL: use kl_estimator.placement=as_loss")
+    if module.prm_stop_below is not None and module.process_reward is None:
+        raise ConfigError(f"rollout.prm_stop_below={module.prm_stop_below} cuts responses at a low process reward, "
+                          f"but the reward has no PRM: use reward=prm, or rollout.prm_stop_below=null")
+
+
+def place_step_rewards(step_rewards: list[list[float]], step_ends: list[list[int]], shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T] each step's reward at its last token, [B, T] bool marking those tokens)."""
+    rewards = torch.zeros(shape)
+    ends = torch.zeros(shape, dtype=torch.bool)
+    for i, (row_rewards, row_ends) in enumerate(zip(step_rewards, step_ends)):
+        rewards[i, row_ends] = torch.tensor(row_rewards, dtype=torch.float32)
+        ends[i, row_ends] = True
+    return rewards, ends
 
 
 def check_distill(distill: dict, advantage_name: str, teacher_role) -> None:
@@ -660,9 +745,10 @@ def check_core_options(module: OnlineRLModule) -> None:
     the first step."""
     ones = torch.ones(2, 1)
     values = ones if module.advantage_name == "gae" else None
+    steps = {"step_mask": ones.bool()} if module.advantage_name == "prm_step" else {}
     try:
         core.compute_advantages(module.advantage_name, ones, ones, torch.tensor([0, 0]), values=values,
-                                **module.advantage_options)
+                                **module.advantage_options, **steps)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"advantage={module.advantage_name}: {err}") from None
     try:

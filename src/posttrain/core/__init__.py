@@ -75,6 +75,15 @@ from .policy_loss import (
     sapo_loss,
 )
 from .schedules import SCHEDULES, scheduled_coef
+from .process import (
+    STEP_AGGREGATES,
+    STEP_REWARD_FORMS,
+    aggregate_step_scores,
+    best_of_n_expected_accuracy,
+    majority_vote_expected_accuracy,
+    monte_carlo_step_labels,
+    process_step_rewards,
+)
 from .preference import (
     PREFERENCE_LOSSES,
     PreferenceOutput,
@@ -107,4 +116,6 @@ __all__ = [
     "reinforce_loss", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
     "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sapo_loss", "sequence_scores",
     "set_finite_checks", "simpo_loss", "token_logprobs_and_entropy", "value_loss", "zero_padding",
+    "STEP_AGGREGATES", "STEP_REWARD_FORMS", "aggregate_step_scores", "best_of_n_expected_accuracy",
+    "majority_vote_expected_accuracy", "monte_carlo_step_labels", "process_step_rewards",
 ]

@@ -178,6 +178,29 @@ def verify_steps(prompt: str, response: str) -> list[bool]:
     return [k < len(truth) and step.strip() == truth[k] for k, step in enumerate(written)]
 
 
+def label_steps(prompt: str, steps: list[str]) -> list[bool]:
+    """Correctness of each step of a response split into steps (data/steps.py: each text
+    ending in its separator, the last one maybe without), for process rewards.
+
+    A column step (ending in ``,`` or ``>``) is right when it is the next true column, written
+    as :func:`verify_steps` expects, and comes before the answer marker. The last step carries
+    the outcome: it is right only when the final answer is (and, if it is a column, the
+    column too). A concise response is a single step: its answer.
+    """
+    truth = [_format_step(d, c, t) for d, c, t in column_steps(parse_prompt(prompt))]
+    labels, column, answered = [], 0, False
+    for text in steps:
+        if text.endswith((STEP_SEPARATOR, ANSWER_MARKER)):
+            labels.append(not answered and column < len(truth) and text[:-1].strip() == truth[column])
+            column += 1
+            answered = answered or text.endswith(ANSWER_MARKER)
+        else:
+            labels.append(True)  # the answer: judged with the whole response below
+    if labels:
+        labels[-1] = labels[-1] and verify_answer(prompt, "".join(steps))
+    return labels
+
+
 def matches_style(response: str, style: str) -> bool:
     """Format check: does the response have the shape of the given solution style (``mixed``:
     of either)."""

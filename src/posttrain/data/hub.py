@@ -199,6 +199,10 @@ class HubSource(ListSource):
     def is_correct(self, example: Example, response: str) -> bool:
         return self.checker(extract_final_answer(response), example.answer)
 
+    def final_answer(self, response: str) -> str | None:
+        """What the response answers (majority voting compares these), None when nothing."""
+        return extract_final_answer(response)
+
     def has_style(self, response: str) -> bool:
         return self.template.has_style(response)
 

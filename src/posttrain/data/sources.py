@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.data import arithmetic
+from posttrain.data.steps import StepRule
 from posttrain.data.templates import check_messages, last_user_content
 from posttrain.errors import ConfigError, DataError
 
@@ -58,6 +59,8 @@ class ArithmeticSource:
         except ValueError as err:
             raise ConfigError(f"data: {err}") from None
         self.style = style
+        # a written column is a step (build_source sets data.step_separators' rule, this by default)
+        self.step_rule = StepRule((arithmetic.STEP_SEPARATOR, arithmetic.ANSWER_MARKER))
         self.verbose_share = float(verbose_share)
         self.alphabet = arithmetic.ALPHABET
         self.prompt_limits = PromptLimits()
@@ -84,6 +87,14 @@ class ArithmeticSource:
 
     def step_correctness(self, example: Example, response: str) -> list[bool]:
         return arithmetic.verify_steps(example.prompt, response)
+
+    def final_answer(self, response: str) -> str | None:
+        """What the response answers (majority voting compares these), None when nothing."""
+        return arithmetic.extract_answer(response) or None
+
+    def step_labels(self, example: Example, steps: list[str]) -> list[bool]:
+        """Each step's correctness (the oracle process reward; data/steps.py splits them)."""
+        return arithmetic.label_steps(example.prompt, steps)
 
     def has_style(self, response: str) -> bool:
         return arithmetic.matches_style(response, self.style)
@@ -153,6 +164,9 @@ class JsonlSource(ListSource):
         if example.answer is None:
             raise DataError(f"example with prompt {example.prompt[:60]!r} has no 'answer' field to verify against")
         return arithmetic.extract_answer(response) == example.answer.strip()
+
+    def final_answer(self, response: str) -> str | None:
+        return arithmetic.extract_answer(response) or None
 
     def has_style(self, response: str) -> bool:
         return len(response.strip()) > 0
@@ -236,6 +250,8 @@ def build_source(data_cfg) -> ArithmeticSource | ListSource:
     else:
         raise ConfigError(f"data.source={data_cfg.source!r} is not one of {list(SOURCES)}")
     source.prompt_limits = limits
+    separators = data_cfg.get("step_separators")
+    source.step_rule = StepRule(tuple(separators)) if separators else None  # process rewards split steps by it
     return source
 
 

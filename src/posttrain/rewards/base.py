@@ -21,6 +21,13 @@ class ScoredSample:
     truncated: bool    # hit the generation budget without EOS
     group: int         # id shared by the G completions of one prompt
     repeated: bool = False  # stopped early because it started looping (rollout.repetition)
+    steps: list[str] | None = None  # the response split into steps (data/steps.py), for process rewards
+    prm_stopped: bool = False  # cut after a step its PRM scored below rollout.prm_stop_below
+
+    @property
+    def ended(self) -> bool:
+        """Whether the response ended with EOS (not cut by the budget, a loop or the PRM)."""
+        return not (self.truncated or self.repeated or self.prm_stopped)
 
 
 class RewardFunction(Protocol):
@@ -41,6 +48,9 @@ class RewardOutput:
     components: dict[str, torch.Tensor]  # name -> [B] float32 unweighted scores
     metrics: dict[str, float]            # rewards/<name>/mean, rewards/total/mean, rewards/<name>/errors
     correct: torch.Tensor | None         # [B] bool from the `accuracy` component, None without one
+    # per sample, the weighted step rewards of a process reward component (reward=prm), whose
+    # sum is that component's weighted part of `total`; None without one
+    step_rewards: list[list[float]] | None = None
 
 
 def describe_sample(samples: Sequence[ScoredSample], index: int) -> str:

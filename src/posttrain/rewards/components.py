@@ -13,6 +13,7 @@ import torch
 
 from posttrain.core.length import dapo_overlong_penalty, kimi_length_reward
 from posttrain.rewards.base import RewardFunction, ScoredSample
+from posttrain.rewards.prm import ProcessReward
 from posttrain.rewards.reward_model import RewardModelScorer
 
 
@@ -112,8 +113,7 @@ class RepetitionReward:
         return -torch.tensor([s.repeated for s in samples], dtype=torch.float32)
 
 
-# Config name -> constructor. Open for more: learned scorers (`reward_model`, `prm`) add
-# their entry here. A constructor that declares a `max_new_tokens` parameter is given the
+# Config name -> constructor. A constructor that declares a `max_new_tokens` parameter is given the
 # generation budget by `build_reward`; every other parameter is a config option.
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "accuracy": AccuracyReward,
@@ -122,4 +122,5 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "length_penalty": LengthPenaltyReward,
     "repetition": RepetitionReward,
     "reward_model": RewardModelScorer,
+    "prm": ProcessReward,
 }

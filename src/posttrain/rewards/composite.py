@@ -51,10 +51,14 @@ class CompositeReward:
         components: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
         correct = None
+        step_rewards = None
         for fn, weight in self.components:
             scores, failed = self._score(fn, samples, source)
             components[fn.name] = scores
             total += weight * scores
+            take_step_rewards = getattr(fn, "take_step_rewards", None)  # a process reward's per-step split
+            if take_step_rewards is not None and weight:
+                step_rewards = weighted_step_rewards(take_step_rewards(samples), samples, scores, weight)
             metrics[f"rewards/{fn.name}/mean"] = _mean(scores)
             take_metrics = getattr(fn, "take_metrics", None)  # a component's own stats (an ensemble's spread)
             if take_metrics is not None:
@@ -69,7 +73,8 @@ class CompositeReward:
         take_timeouts = getattr(source, "take_verifier_timeouts", None)
         if take_timeouts is not None:
             metrics["rewards/verifier_timeouts"] = float(take_timeouts())
-        return RewardOutput(total=total, components=components, metrics=metrics, correct=correct)
+        return RewardOutput(total=total, components=components, metrics=metrics, correct=correct,
+                            step_rewards=step_rewards)
 
     def _score(self, fn: RewardFunction, samples: Sequence[ScoredSample], source) -> tuple[torch.Tensor, torch.Tensor]:
         """[B] scores of one component and [B] bool marking samples that got failure_score."""
@@ -132,6 +137,18 @@ class CompositeReward:
             raise RewardError(f"reward component {fn.name!r} returned shape {tuple(scores.shape)} for "
                               f"{len(samples)} samples; expected [{len(samples)}] (one score per sample)")
         return scores
+
+
+def weighted_step_rewards(per_sample: list[list[float] | None], samples: Sequence[ScoredSample],
+                          scores: torch.Tensor, weight: float) -> list[list[float]]:
+    """weight x each sample's step rewards. A sample the component did not score itself (it got
+    failure_score, on_error=fail) has its whole score on its last step."""
+    out = []
+    for rewards, sample, score in zip(per_sample, samples, scores.tolist()):
+        if rewards is None:
+            rewards = [0.0] * (max(len(sample.steps or []), 1) - 1) + [score]
+        out.append([weight * r for r in rewards])
+    return out
 
 
 def _mean(x: torch.Tensor) -> float:
