@@ -3,11 +3,13 @@
     posttrain-eval checkpoint=outputs/sft/runs/<time>                    # a run: its hf_model/ (else last.ckpt)
     posttrain-eval checkpoint=<run dir>/checkpoints/step000300.ckpt pass_k=[1,4,8] num_samples=8
     posttrain-eval checkpoint=<Hugging Face model dir> eval.split=test eval.num_prompts=512
+    posttrain-eval checkpoint=<run dir> best_of_n.n=[1,4,16] best_of_n.prm=oracle
 
 Reports held-out greedy accuracy and mean response length through training's own
 validation code (so a run's final model reproduces the `eval/*` numbers of its
-summary.json), and unbiased pass@k from `num_samples` sampled responses per prompt.
-Writes eval.json in outputs/eval/runs/<time>/.
+summary.json), unbiased pass@k from `num_samples` sampled responses per prompt, and, with
+`best_of_n.n`, best-of-n accuracy by a PRM, an ORM, majority vote and the verifier
+(best_of_n.py). Writes eval.json in outputs/eval/runs/<time>/.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from posttrain.best_of_n import check_best_of_n
 from posttrain.errors import CheckpointError, ConfigError, DataError, PosttrainError
 from posttrain.train import CONFIG_DIR, EXPECTED_WARNINGS, log, remove_unused_run_dir
 
@@ -136,11 +139,12 @@ def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
     """Training's held-out evaluation, inherited as it is (greedy accuracy and response length
     through `validation_step`), plus `predict_step`: `num_samples` responses per prompt sampled
     at `temperature`, counted correct per prompt by `count_correct_samples`, as training's
-    held-out pass@k does. (The class is made here so that argument errors come before torch
-    and Lightning load.)"""
+    held-out pass@k does; or, once `judges` is set, judged for best-of-N (`sample_and_judge`).
+    (The class is made here so that argument errors come before torch and Lightning load.)"""
     import torch
 
     from posttrain.algorithms.base import PosttrainModule, count_correct_samples
+    from posttrain.best_of_n import sample_and_judge
     from posttrain.rollout import SamplingParams
 
     class EvalModule(PosttrainModule):
@@ -148,12 +152,15 @@ def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
             super().__init__(policy, tokenizer, source, optim=None, rollout=cfg.rollout,
                              eval_max_new_tokens=cfg.eval.max_new_tokens)
             self.sampling, self.num_samples, self.seed = sampling, num_samples, seed
+            self.judges = None  # best_of_n.Judges: predict judges the samples instead of counting correct ones
 
         def on_predict_start(self) -> None:
             self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # the same draws every time
 
         def predict_step(self, batch, batch_idx):
             # the loader's batches are batch_size // num_samples prompts: one generate call each
+            if self.judges is not None:
+                return sample_and_judge(self, batch, self.sampling, self.num_samples, self.generator, self.judges)
             return count_correct_samples(self, batch, self.sampling, self.num_samples, self.generator,
                                          rows_per_call=cfg.eval.batch_size)
 
@@ -166,6 +173,7 @@ def evaluate(cfg: DictConfig) -> dict:
     """Score the policy at `cfg.checkpoint`; returns the results also written to eval.json."""
     # what to load, and from which settings, before anything heavy loads: mistakes fail fast
     check_sampling(cfg)  # the command line's alone, whatever the run says
+    best_of_n_sizes = check_best_of_n(cfg)
     weights = find_weights(cfg.checkpoint)
     if weights.run_dir is not None:
         take_run_settings(cfg, weights.run_dir / "config.yaml")
@@ -182,6 +190,7 @@ def evaluate(cfg: DictConfig) -> dict:
     output_dir = Path(cfg.paths.output_dir)
 
     import logging
+    import time
     import warnings
 
     import lightning as L
@@ -189,6 +198,7 @@ def evaluate(cfg: DictConfig) -> dict:
     from torch.utils.data import DataLoader
     from transformers.utils import logging as transformers_logging
 
+    from posttrain.best_of_n import Judged, best_of_n_accuracies, build_judges, check_source_for_prm
     from posttrain.core import pass_at_k
     from posttrain.data.datamodule import PosttrainDataModule, collate_prompts
     from posttrain.data.sources import build_source
@@ -206,6 +216,8 @@ def evaluate(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.num_threads)
 
     source = build_source(cfg.data)
+    if best_of_n_sizes:
+        check_source_for_prm(cfg.best_of_n, source, cfg.data.source)
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
     module = build_eval_module(policy, tokenizer, source, cfg)
     # the held-out prompts exactly as training builds them (no training stream: batch_size unused)
@@ -219,13 +231,26 @@ def evaluate(cfg: DictConfig) -> dict:
 
     greedy = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     results = {"eval/accuracy": float(greedy["eval/accuracy"]), "eval/response_len": float(greedy["eval/response_len"])}
-    if cfg.pass_k:
-        prompts_per_batch = max(1, cfg.eval.batch_size // cfg.num_samples)  # rows per generate call ~ eval.batch_size
+
+    def predict_sampled(num_samples: int) -> list:
+        """module.predict_step over the held-out prompts, `num_samples` responses each."""
+        module.num_samples = num_samples
+        prompts_per_batch = max(1, cfg.eval.batch_size // num_samples)  # rows per generate call ~ eval.batch_size
         loader = DataLoader(datamodule.eval_examples, batch_size=prompts_per_batch, shuffle=False,
                             collate_fn=lambda examples: collate_prompts(examples, tokenizer))
-        num_correct = torch.cat(trainer.predict(module, dataloaders=loader))
+        return trainer.predict(module, dataloaders=loader)
+
+    if cfg.pass_k:
+        num_correct = torch.cat(predict_sampled(cfg.num_samples))
         for k in cfg.pass_k:
             results[f"eval/pass@{k}"] = float(pass_at_k(cfg.num_samples, num_correct, k).mean())
+    if best_of_n_sizes:
+        started = time.perf_counter()
+        module.judges = build_judges(cfg.best_of_n, policy)
+        judged = Judged.join(predict_sampled(max(best_of_n_sizes)))
+        results.update(best_of_n_accuracies(judged, best_of_n_sizes, seed=cfg.seed))
+        results.update(best_of_n_samples=max(best_of_n_sizes), best_of_n_prm=cfg.best_of_n.prm,
+                       best_of_n_orm=cfg.best_of_n.orm, best_of_n_seconds=round(time.perf_counter() - started, 2))
     results.update(
         checkpoint=str(cfg.checkpoint), weights=str(weights.path),
         run_dir=None if weights.run_dir is None else str(weights.run_dir),
@@ -234,14 +259,15 @@ def evaluate(cfg: DictConfig) -> dict:
         settings=OmegaConf.to_container(OmegaConf.masked_copy(cfg, ["model", "data", "eval", "rollout", "trainer"])),
     )
     write_json_atomic(output_dir / "eval.json", results)
-    print_results(results, list(cfg.pass_k or []))
+    print_results(results, list(cfg.pass_k or []), best_of_n_sizes)
     log.info(f"wrote {output_dir / 'eval.json'}")
     return results
 
 
-def print_results(results: dict, pass_k: list[int]) -> None:
+def print_results(results: dict, pass_k: list[int], best_of_n_sizes: list[int]) -> None:
     from rich.table import Table
 
+    from posttrain.best_of_n import best_of_n_table
     from posttrain.console import render
 
     log.info(f"evaluated {results['weights']}")
@@ -254,6 +280,13 @@ def print_results(results: dict, pass_k: list[int]) -> None:
         table.add_row(f"pass@{k} (n={results['num_samples']}, T={results['temperature']:g})",
                       f"{results[f'eval/pass@{k}']:.1%}")
     log.info(render(table))  # through the logger: also in eval.log
+    if best_of_n_sizes:
+        title = (f"best-of-n accuracy: {results['num_prompts']} prompts, {results['best_of_n_samples']} samples "
+                 f"each (T={results['temperature']:g})")
+        for name in ("prm", "orm"):
+            if results[f"best_of_n_{name}"] is not None:
+                title += f", {name}={results[f'best_of_n_{name}']}"
+        log.info(render(best_of_n_table(results, best_of_n_sizes, title), width=120))  # 8 columns: wider
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")
