@@ -36,6 +36,7 @@ GRIDS = {
     "kl_estimators": (["kl_estimator", "kl_estimator.placement"], 10),
     "advantage_estimators": (["advantage", "seed"], 12),
     "grpo_vs_ppo": (["experiment", "seed"], 6),
+    "prm_vs_outcome": (["experiment", "seed"], 6),
 }
 
 

@@ -273,7 +273,7 @@ SPECS: dict[str, Spec] = {
     # --- algorithm ---
     "algorithm._target_": text().about("the LightningModule class"),
     "algorithm.name": text(),
-    "algorithm.kind": choice("online", "offline", "preference"),
+    "algorithm.kind": choice("online", "offline", "preference", "process"),
     "algorithm.batch_size": integer(1).about("examples per optimiser step"),
     "algorithm.max_grad_norm": optional(number(0)).about("null or 0: no clipping"),
     **optimiser("algorithm.optim"),
@@ -658,7 +658,7 @@ def rule(fn: Rule) -> Rule:
 
 @rule
 def offline_algorithm_takes_no_online_components(v: Values):
-    if v["algorithm.kind"] not in ("offline", "preference"):  # preference algorithms train on fixed pairs
+    if v["algorithm.kind"] not in ("offline", "preference", "process"):  # these train on fixed pairs / step rows
         return
     algorithm = v.choices.get("algorithm", v.get("algorithm.name"))
     for group in ONLINE_ONLY_GROUPS:
@@ -693,10 +693,10 @@ def preference_algorithm_reads_no_reward(v: Values):
 def preference_algorithm_samples_in_process(v: Values):
     """rollout=vllm is online RL's sampler; a preference run would build one engine for its
     embedded pairs and another for held-out generation, on one GPU."""
-    if v["algorithm.kind"] == "preference" and v.get("rollout.engine") == "vllm":
+    if v["algorithm.kind"] in ("preference", "process") and v.get("rollout.engine") == "vllm":
         algorithm = v.choices.get("algorithm", v.get("algorithm.name"))
-        yield (f"algorithm={algorithm} trains on fixed preference pairs: rollout=vllm (online RL's sampler) is "
-               f"not supported with it; use rollout=fast or rollout=hf for its embedded pairs and evaluation")
+        yield (f"algorithm={algorithm} trains on fixed data it samples once (preference pairs, step rows): "
+               f"rollout=vllm (online RL's sampler) is not supported with it; use rollout=fast or rollout=hf")
 
 
 @rule

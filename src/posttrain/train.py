@@ -132,11 +132,15 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
         from posttrain.data.preference import build_preference_source
 
         source = build_preference_source(cfg, source, tokenizer, policy)
+    elif cfg.algorithm.kind == "process":  # step-labelled responses sampled from the starting policy (algorithm=prm)
+        from posttrain.data.process import build_step_source
+
+        source = build_step_source(cfg, source, tokenizer, policy)
     module = build_module(cfg, policy, tokenizer, source)
     module.configure_eval(cfg.eval, samples_dir=output_dir / "samples", seed=cfg.seed)  # samples table, pass@k
     datamodule = PosttrainDataModule(
         source, tokenizer, batch_size=module.batch_size, train_collate=module.train_collate,
-        eval_on_pairs=getattr(module, "eval_on_pairs", False),
+        eval_on_pairs=getattr(module, "eval_on_pairs", False), eval_collate=getattr(module, "eval_collate", None),
         eval_split=cfg.eval.split, eval_num_prompts=cfg.eval.num_prompts,
         eval_batch_size=cfg.eval.batch_size, seed=cfg.seed,
     )
@@ -171,6 +175,10 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
             from posttrain.data.preference import share_summary
 
             summary.update(share_summary(source))  # pairs/<split>/<kind>_share: what the pairs are made of
+        elif cfg.algorithm.kind == "process":
+            from posttrain.data.process import step_summary
+
+            summary.update(step_summary(source))  # process/<split>/*, and eval/label_agreement of MC labels
         export = consolidated_model(module.policy)  # every rank gathers a sharded policy; rank 0 gets it whole
         if trainer.is_global_zero:
             export_model(export, tokenizer, output_dir / "hf_model", cfg.model)  # with LoRA: the adapter (or merged)

@@ -195,7 +195,7 @@ def train_warm_start(sft_cfg: DictConfig, target: Path, scratch: Path, label: st
 def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
     """The warm start's SFT config and its cache directory, or None when the run has none."""
     settings = cfg.algorithm.get("warm_start")
-    if cfg.algorithm.kind not in ("online", "preference") or not settings or settings.steps <= 0:
+    if cfg.algorithm.kind not in ("online", "preference", "process") or not settings or settings.steps <= 0:
         return None
     if cfg.model.init_from:
         return None  # (a resumed run finds its warm start in the cache: its frozen roles start there)
@@ -268,7 +268,7 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
 # core, rollout used by its held-out eval, this file) does.
 NOT_IN_SFT = ("algorithms/online.py", "algorithms/terms.py", "algorithms/experience.py", "models/roles.py",
               "evaluate.py", "algorithms/reward_model.py", "algorithms/preference.py", "data/preference.py",
-              "models/teacher.py")
+              "models/teacher.py", "algorithms/prm.py", "data/process.py", "best_of_n.py")
 
 
 @functools.cache

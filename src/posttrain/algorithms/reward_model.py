@@ -29,18 +29,23 @@ def sequence_classifier(causal_lm, tokenizer):
     ``causal_lm``; its ``score`` head starts as Hugging Face initialises it (small normal)."""
     from transformers import AutoModelForSequenceClassification
 
+    return one_label_head_on(causal_lm, tokenizer, AutoModelForSequenceClassification, "algorithm=reward_model")
+
+
+def one_label_head_on(causal_lm, tokenizer, auto_class, algorithm: str):
+    """A model of `auto_class` (a Hugging Face AutoModelFor...Classification) with one label,
+    the pad token id set (the rows are right-padded; a sequence classifier finds each row's last
+    token by it) and the body of ``causal_lm``, without dropout; `algorithm` trains it whole."""
     from posttrain.models.loading import disable_dropout
     from posttrain.models.lora import has_adapter
 
     if has_adapter(causal_lm):
-        raise ConfigError("algorithm=reward_model trains every weight of its backbone and a new head; set "
-                          "model.lora.r=null")
+        raise ConfigError(f"{algorithm} trains every weight of its backbone and a new head; set model.lora.r=null")
     config = copy.deepcopy(causal_lm.config)
     config.num_labels = 1
-    # the classifier's pooling finds each row's last token by this id (the rows are right-padded)
     config.pad_token_id = tokenizer.pad_token_id
     dtype = next(causal_lm.parameters()).dtype
-    model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    model = auto_class.from_config(config, dtype=dtype)
     model.base_model.load_state_dict(causal_lm.base_model.state_dict())
     return disable_dropout(model)
 

@@ -136,14 +136,19 @@ def right_padded(rows: list[list[int]], labels: list[list[int]] | None, pad_id: 
 
 def collate_prompts(examples: list[Example], tokenizer) -> dict:
     """Left-padded prompts (generation appends on the right) and the examples themselves."""
-    rows = [prompt_token_ids(e, tokenizer) for e in examples]
-    width = max(len(r) for r in rows)
-    prompt_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        prompt_ids[i, width - len(row):] = torch.tensor(row)
-        prompt_mask[i, width - len(row):] = 1
+    prompt_ids, prompt_mask = left_padded([prompt_token_ids(e, tokenizer) for e in examples], tokenizer.pad_token_id)
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "examples": examples}
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) [B, T] of token rows padded on the left (generation appends on the right)."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids, mask
 
 
 def model_context(tokenizer) -> int | None:
@@ -248,7 +253,8 @@ class PosttrainDataModule(L.LightningDataModule):
     """Training stream (`train_collate` picks SFT pairs or prompts) and held-out prompts."""
 
     def __init__(self, source, tokenizer, batch_size: int, train_collate: Callable, eval_split: str,
-                 eval_num_prompts: int, eval_batch_size: int, seed: int = 0, eval_on_pairs: bool = False):
+                 eval_num_prompts: int, eval_batch_size: int, seed: int = 0, eval_on_pairs: bool = False,
+                 eval_collate: Callable | None = None):
         super().__init__()
         self.source, self.tokenizer = source, tokenizer
         self.batch_size, self.train_collate, self.seed = batch_size, train_collate, seed
@@ -256,6 +262,7 @@ class PosttrainDataModule(L.LightningDataModule):
         # a preference source trains on its pairs; its held-out prompts are its task's
         self.trains_on_pairs = hasattr(source, "pairs")
         self.eval_on_pairs = eval_on_pairs  # held-out batches of validation pairs (reward model), not prompts
+        self.eval_collate = eval_collate  # how those held-out items are batched (None: collate_pairs)
         prompts = source.task if self.trains_on_pairs else source
         size = prompts.size(eval_split)
         count = eval_num_prompts if size is None else min(size, eval_num_prompts)
@@ -285,7 +292,8 @@ class PosttrainDataModule(L.LightningDataModule):
             pairs = self.source.pairs(self.eval_split)
             rank, world = rank_and_world()
             sampler = UnrepeatedDistributedSampler(pairs, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+            collate = self.eval_collate or collate_pairs  # (a PRM's held-out items are step rows)
             return DataLoader(pairs, batch_size=self.eval_batch_size, sampler=sampler,
-                              collate_fn=lambda b: collate_pairs(b, self.tokenizer))
+                              collate_fn=lambda b: collate(b, self.tokenizer))
         return DataLoader(self.eval_examples, batch_size=self.eval_batch_size, shuffle=False,
                           collate_fn=lambda b: collate_prompts(b, self.tokenizer))

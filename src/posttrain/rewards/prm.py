@@ -31,6 +31,7 @@ from posttrain import core
 from posttrain.data.datamodule import prompt_text, right_padded
 from posttrain.errors import ConfigError
 from posttrain.rewards.base import ScoredSample
+from posttrain.rewards.reward_model import one_label_model_config
 from posttrain.data.steps import source_step_rule, split_text, step_token_row
 
 KEY = "reward.components.prm"
@@ -163,22 +164,8 @@ def pad_steps(scores: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
 # --- a learned PRM's directory --------------------------------------------------------------
 
 def check_prm_dir(directory, key: str) -> None:
-    """Refuse, from config.json alone, what is not a one-label token classifier with a pad token."""
-    import json
-
-    if not isinstance(directory, str) or not directory:
-        raise ConfigError(f"{key}={directory!r} must be a PRM directory: the hf_model of an algorithm=prm run")
-    path = Path(directory).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{key}={directory!r}: no such Hugging Face model directory (no config.json); a PRM is "
-                          f"the hf_model/ of an algorithm=prm run")
-    config = json.loads((path / "config.json").read_text())
-    architectures = config.get("architectures") or []
-    num_labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
-    if not any(a.endswith("ForTokenClassification") for a in architectures) or num_labels != 1:
-        raise ConfigError(f"{key}={directory!r} is not a PRM: expected a token-classification model with one label "
-                          f"(AutoModelForTokenClassification, num_labels=1), found architectures={architectures}, "
-                          f"num_labels={num_labels}")
+    """Refuse, from config.json alone, what is not a one-label token classifier."""
+    one_label_model_config(directory, key, "ForTokenClassification", "a PRM", "algorithm=prm")
 
 
 def load_prm(directory: str, key: str):

@@ -156,12 +156,23 @@ class RewardModelScorer:
 
 def check_reward_model_dir(directory, key: str) -> None:
     """Refuse, from config.json alone, what is not a one-label sequence classifier with a pad token."""
+    config = one_label_model_config(directory, key, "ForSequenceClassification", "a reward model",
+                                    "algorithm=reward_model")
+    if config.get("pad_token_id") is None:
+        raise ConfigError(f"{key}={directory!r}: config.json sets no pad_token_id, so the model cannot find the "
+                          f"last token of a padded row; set it to the tokenizer's pad id")
+
+
+def one_label_model_config(directory, key: str, head: str, what: str, exported_by: str) -> dict:
+    """config.json of `directory` (the value of config key `key`), refused unless it is a Hugging
+    Face model whose architecture ends in `head` (e.g. ForSequenceClassification) with one label:
+    `what` (a reward model, a PRM) as the hf_model/ of an `exported_by` run writes it."""
     if not isinstance(directory, str) or not directory:
-        raise ConfigError(f"{key}={directory!r} must be a reward model directory (a path)")
+        raise ConfigError(f"{key}={directory!r} must be {what} directory (a path)")
     config_file = Path(directory).expanduser() / "config.json"
     if not Path(directory).expanduser().is_dir():
-        raise ConfigError(f"{key}={directory!r}: no such directory (a reward model exported by "
-                          f"algorithm=reward_model: its run dir's hf_model)")
+        raise ConfigError(f"{key}={directory!r}: no such directory ({what} exported by {exported_by}: its run "
+                          f"dir's hf_model)")
     if not config_file.is_file():
         raise ConfigError(f"{key}={directory!r} holds no config.json: not a Hugging Face model directory")
     try:
@@ -171,13 +182,10 @@ def check_reward_model_dir(directory, key: str) -> None:
     architectures = config.get("architectures") or []
     # a config without id2label has transformers' default of two labels
     num_labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
-    if not any(a.endswith("ForSequenceClassification") for a in architectures) or num_labels != 1:
-        raise ConfigError(f"{key}={directory!r} is not a reward model: expected a sequence-classification model "
-                          f"with one label (AutoModelForSequenceClassification, num_labels=1), found "
-                          f"architectures={architectures}, num_labels={num_labels}")
-    if config.get("pad_token_id") is None:
-        raise ConfigError(f"{key}={directory!r}: config.json sets no pad_token_id, so the model cannot find the "
-                          f"last token of a padded row; set it to the tokenizer's pad id")
+    if not any(a.endswith(head) for a in architectures) or num_labels != 1:
+        raise ConfigError(f"{key}={directory!r} is not {what}: expected an AutoModel{head} model with one label "
+                          f"(num_labels=1), found architectures={architectures}, num_labels={num_labels}")
+    return config
 
 
 def has_tokenizer(directory: str) -> bool:
