@@ -23,6 +23,9 @@ BUDGET = ["trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.chec
 # online runs: a short warm start (shared by all of them through the cache), small batches
 ONLINE_BUDGET = ["algorithm.warm_start.steps=20", "algorithm.prompts_per_step=2", "algorithm.group_size=4"]
 OFFLINE = ("algorithm=sft", "experiment=sft_tiny")
+# algorithm=prm: a short warm start and few step rows (sampled once, then trained on)
+PROCESS_BUDGET = ["algorithm.warm_start.steps=20", "algorithm.process_data.num_train_prompts=8",
+                  "algorithm.process_data.num_validation_prompts=4", "algorithm.process_data.rollouts_per_step=2"]
 
 
 def readme_commands() -> list[str]:
@@ -55,7 +58,9 @@ def with_budget(arguments: list[str], log_dir: Path) -> list[str]:
     if arguments[0] == "python":  # benchmarks/ scripts take their own arguments
         return arguments
     budget = list(BUDGET)
-    if not any(a.startswith(OFFLINE) for a in arguments) and any(
+    if "algorithm=prm" in arguments:
+        budget += PROCESS_BUDGET
+    elif not any(a.startswith(OFFLINE) for a in arguments) and any(
             a.startswith(("algorithm=", "experiment=")) for a in arguments):
         budget += ONLINE_BUDGET
     if any(a.startswith("teacher=tiny_") for a in arguments):

@@ -14,17 +14,22 @@ critic and a pretraining (ptx) term; for the distillation algorithms, a frozen t
                optionally only on low-reward samples (distill.mask=low_reward)
   long2short   accuracy + the Kimi k1.5 length reward after a warm-up (reward config),
                optionally with distillation from a long-reasoning teacher
+  PRM-RL       reward=prm: a process reward model scores every step of a response (split
+               in collect by the task's rule, data/steps.py); advantage=prm_step puts each
+               step's reward at its last token (experiment=prm_rl); rollout.prm_stop_below
+               cuts a response after a low-scored step
 
 One `training_step` is one rollout batch, four named and timed stages over an `Experience`
 (`perf/<stage>_s`), as in the papers' algorithm boxes:
 
-  1. collect     prompts from the curriculum -> `group_size` samples each -> rewards
-                 (dynamic sampling's extra rounds happen here)
+  1. collect     prompts from the curriculum -> `group_size` samples each -> (their steps,
+                 for a process reward) -> rewards (dynamic sampling's extra rounds happen here)
   2. annotate    each configured scorer adds its tensors: old log-probs (only off-policy, for
                  a KL in the reward or a distillation reward), reference log-probs (only with
                  a KL term), critic values (only with a critic), teacher log-probs (only with
                  a sampled distillation mode: reward or loss)
-  3. advantages  score at the last token (- beta * KL when placed in the reward) ->
+  3. advantages  score at the last token, or step rewards at each step's last token
+                 (prm_step), (- beta * KL when placed in the reward) ->
                  `core.compute_advantages` (GAE with the critic's values); + the per-token
                  distillation reward (opd)
   4. update      ppo_epochs x minibatches x micro-batches; the loss is a sum of terms
