@@ -137,6 +137,7 @@ def scripted_module(make_config, texts: list[str], *overrides: str):
     module = module_from_config(cfg)
     tok = module.tokenizer
 
+    @torch.inference_mode()  # as the engines return them
     def generate(prompt_ids, prompt_mask, params, generator=None):
         rows = [ids_of(tok, text) for text in texts]
         width = max(map(len, rows))

@@ -375,6 +375,9 @@ class OnlineRLModule(PosttrainModule):
         flags. (The cut comes after generation, so it saves training and scoring, not sampling.)"""
         scores = self.process_reward.prm.step_scores(samples, self.source)
         stopped = torch.zeros(len(samples), dtype=torch.bool, device=batch.response_ids.device)
+        # the engines return inference-mode tensors: edit copies
+        batch.response_ids, batch.response_mask = batch.response_ids.clone(), batch.response_mask.clone()
+        batch.truncated = batch.truncated.clone()
         for i, (sample, row_scores, ends) in enumerate(zip(samples, scores, step_ends)):
             low = [k for k, score in enumerate(row_scores[:-1]) if score < self.prm_stop_below]
             if not low:
