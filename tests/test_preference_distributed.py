@@ -74,28 +74,38 @@ def recording_modules(setattr=setattr):
     return built, seen
 
 
-def run_worker(rank, world, port, cfg_dicts, out_dir):
-    """One rank of `posttrain` under torchrun; each rank has its own paths.output_dir and
-    paths.cache_dir, so what a rank other than 0 writes shows."""
-    from posttrain.sharding import full_state_dict
+def run_as_rank(rank, world, port, cfg_dict, out_dir, record):
+    """`posttrain` as rank `rank` of `world` under torchrun (LOCAL_RANK set: Lightning does not
+    spawn), then `record(summary)` saved to `out_dir`/record<rank>.pt."""
     from posttrain.train import run
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
                       NODE_RANK="0", WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    built, seen = recording_modules()
     try:
-        summary = run(OmegaConf.create(cfg_dicts[rank]), announce=False)
-        module = built[-1]
-        record = {"summary": summary, "seen": seen, "reference_forwards": getattr(module, "reference_forwards", 0),
-                  "reference_logps": getattr(module, "reference_logps", {}),
-                  "weights": full_state_dict(module.policy, rank0_only=False),  # gathered from the shards under fsdp
-                  "start_weights": module.start_weights}
-        torch.save(record, f"{out_dir}/record{rank}.pt")
+        summary = run(OmegaConf.create(cfg_dict), announce=False)
+        torch.save(record(summary), f"{out_dir}/record{rank}.pt")
         dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_worker(rank, world, port, cfg_dicts, out_dir):
+    """One rank of `posttrain` under torchrun; each rank has its own paths.output_dir and
+    paths.cache_dir, so what a rank other than 0 writes shows."""
+    from posttrain.sharding import full_state_dict
+
+    built, seen = recording_modules()
+
+    def record(summary):
+        module = built[-1]
+        return {"summary": summary, "seen": seen, "reference_forwards": getattr(module, "reference_forwards", 0),
+                "reference_logps": getattr(module, "reference_logps", {}),
+                "weights": full_state_dict(module.policy, rank0_only=False),  # gathered from the shards under fsdp
+                "start_weights": module.start_weights}
+
+    run_as_rank(rank, world, port, cfg_dicts[rank], out_dir, record)
 
 
 DDP = ("trainer=ddp", "trainer.strategy._target_=posttrain.sharding.PosttrainModelParallelStrategy")
