@@ -43,6 +43,24 @@ def module_from_config(cfg):
     return module
 
 
+def rollout_batch(rows: list[list[int]], pad_token_id: int, prompt_ids=None, prompt_mask=None):
+    """A RolloutBatch of these response token rows (after the given prompts, or none), as an
+    engine returns one: right-padded, in inference mode, nothing truncated or looping."""
+    from posttrain.rollout.base import RolloutBatch
+
+    width = max(map(len, rows))
+    with torch.inference_mode():
+        response_ids = torch.full((len(rows), width), pad_token_id)
+        response_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            response_ids[i, :len(row)], response_mask[i, :len(row)] = torch.tensor(row), 1
+        flags = torch.zeros(len(rows), dtype=torch.bool)
+        if prompt_ids is None:
+            prompt_ids, prompt_mask = response_ids[:, :0], response_mask[:, :0]
+        return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(response_ids.shape),
+                            flags, repeated=flags.clone())
+
+
 @pytest.fixture
 def make_config(tmp_path):
     def make(*overrides: str, output_dir: Path | None = None):

@@ -13,8 +13,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from posttrain.algorithms.base import rollout_samples
 from posttrain.best_of_n import (Judged, Judges, best_of_n_accuracies, best_of_n_table, build_judges,
-                                 check_best_of_n, check_source_for_prm, judge, response_samples)
+                                 check_best_of_n, check_source_for_prm, judge)
 from posttrain.console import render
 from posttrain.data.arithmetic import ALPHABET
 from posttrain.data.sources import ArithmeticSource
@@ -23,6 +24,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_char_tokenizer
 from posttrain.rewards.prm import ProcessRewardModel
 
+from conftest import rollout_batch
 from test_learned_reward import make_reward_model_dir
 
 # --- the accuracies of each selector, on hand-made judgements (no model) ----------------------------
@@ -99,8 +101,8 @@ def judged_responses(texts: list[str], oracle_score: str) -> Judged:
     example = source.example("validation", 0)
     assert example.prompt == "51+53=" and example.response == RIGHT
     responses = [TOKENIZER(text, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id] for text in texts]
-    samples = response_samples(TOKENIZER, RULE, [example] * len(texts), responses, texts, [False] * len(texts),
-                               [False] * len(texts), num_samples=len(texts))
+    samples, _ = rollout_samples(TOKENIZER, rollout_batch(responses, TOKENIZER.pad_token_id), [example] * len(texts),
+                                 [0] * len(texts), RULE)
     for sample in samples:  # split at each column's separator; together the steps are the response
         assert "".join(sample.steps) == sample.response
         assert sample.response != RIGHT or sample.steps == ["1+3=4,", "5+5=10>", "104"]
@@ -163,7 +165,7 @@ def test_a_learned_prm_ranks_by_the_aggregates_of_its_own_step_scores(tmp_path):
     example = source.example("validation", 0)
     texts = [RIGHT, LUCKY, WRONG_ANSWER, GARBAGE]
     responses = [TOKENIZER(text, add_special_tokens=False)["input_ids"] + [TOKENIZER.eos_token_id] for text in texts]
-    samples = response_samples(TOKENIZER, RULE, [example] * 4, responses, texts, [False] * 4, [False] * 4, 4)
+    samples, _ = rollout_samples(TOKENIZER, rollout_batch(responses, TOKENIZER.pad_token_id), [example] * 4, [0] * 4, RULE)
     judged = judge(samples, source, build_judges(best_of_n, policy=None), num_prompts=1)
     own = ProcessRewardModel("learned", path=str(prm_dir)).step_scores(samples, source)  # the PRM itself
     assert judged.prm["last"][0].tolist() == pytest.approx([steps[-1] for steps in own])

@@ -8,17 +8,15 @@ import random
 import pytest
 import torch
 
-from conftest import FAST_RUN, module_from_config
+from conftest import FAST_RUN, module_from_config, rollout_batch
 from posttrain import core
-from posttrain.data import arithmetic
-from posttrain.data.arithmetic import ALPHABET, Problem, label_steps
+from posttrain.data.arithmetic import ALPHABET, label_steps
 from posttrain.data.sources import ArithmeticSource, Example
 from posttrain.data.steps import StepRule, split_response, split_text, step_token_row
 from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_char_tokenizer
 from posttrain.rewards import ScoredSample, build_reward
 from posttrain.rewards.prm import ProcessRewardModel
-from posttrain.rollout.base import RolloutBatch
 
 RULE = StepRule((",", ">"))
 PROMPT = "347+185="
@@ -137,16 +135,8 @@ def scripted_module(make_config, texts: list[str], *overrides: str):
     module = module_from_config(cfg)
     tok = module.tokenizer
 
-    @torch.inference_mode()  # as the engines return them
     def generate(prompt_ids, prompt_mask, params, generator=None):
-        rows = [ids_of(tok, text) for text in texts]
-        width = max(map(len, rows))
-        response_ids = torch.full((len(rows), width), tok.pad_token_id)
-        response_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            response_ids[i, :len(row)], response_mask[i, :len(row)] = torch.tensor(row), 1
-        return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(response_ids.shape),
-                            torch.zeros(len(rows), dtype=torch.bool), repeated=torch.zeros(len(rows), dtype=torch.bool))
+        return rollout_batch([ids_of(tok, text) for text in texts], tok.pad_token_id, prompt_ids, prompt_mask)
 
     module.generate = generate
     return module

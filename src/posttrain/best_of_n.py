@@ -133,21 +133,6 @@ class Judged:
                       orm=None if parts[0].orm is None else torch.cat([part.orm for part in parts]))
 
 
-def response_samples(tokenizer, rule, examples, responses: list[list[int]], texts: list[str],
-                     truncated: list[bool], repeated: list[bool], num_samples: int):
-    """Each response (token ids without padding) as a reward sample of its prompt's group; with a
-    step rule (data/steps.py) also its steps, split on tokens as training's process rewards are."""
-    from posttrain.data.steps import split_response
-    from posttrain.rewards import ScoredSample
-
-    samples = []
-    for i, (example, ids, text, cut, looped) in enumerate(zip(examples, responses, texts, truncated, repeated)):
-        steps = None if rule is None else split_response(rule, tokenizer, ids).texts or [""]
-        samples.append(ScoredSample(example, text, len(ids), bool(cut), group=i // num_samples,
-                                    repeated=bool(looped), steps=steps))
-    return samples
-
-
 def judge(samples, source, judges: Judges, num_prompts: int) -> Judged:
     """Verifier, final answers, PRM aggregates and ORM score of P x N samples (prompt-major)."""
     import torch
@@ -172,21 +157,15 @@ def judge(samples, source, judges: Judges, num_prompts: int) -> Judged:
 def sample_and_judge(module, batch: dict, params, num_samples: int, generator, judges: Judges) -> Judged:
     """`num_samples` responses to each prompt of `batch` (from `collate_prompts`), in one
     generate call, judged by `judge`."""
-    import torch
-
-    from posttrain.algorithms.base import decode_responses
+    from posttrain.algorithms.base import rollout_samples
     from posttrain.data.steps import source_step_rule
 
     n = num_samples
     rollout = module.generate(batch["prompt_ids"].repeat_interleave(n, dim=0),
                               batch["prompt_mask"].repeat_interleave(n, dim=0), params, generator=generator)
-    texts = decode_responses(module.tokenizer, rollout.response_ids, rollout.response_mask)
-    responses = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.response_ids, rollout.response_mask)]
-    repeated = rollout.repeated if rollout.repeated is not None else torch.zeros_like(rollout.truncated)
     examples = [example for example in batch["examples"] for _ in range(n)]
     rule = None if judges.prm is None else source_step_rule(module.source)  # steps: only a PRM reads them
-    samples = response_samples(module.tokenizer, rule, examples, responses, texts, rollout.truncated.tolist(),
-                               repeated.tolist(), num_samples=n)
+    samples, _ = rollout_samples(module.tokenizer, rollout, examples, [i // n for i in range(len(examples))], rule)
     return judge(samples, module.source, judges, num_prompts=len(batch["examples"]))
 
 

@@ -56,18 +56,18 @@ import torch
 from omegaconf import OmegaConf
 
 from posttrain import core
-from posttrain.algorithms.base import PosttrainModule, decode_responses
+from posttrain.algorithms.base import PosttrainModule, rollout_samples
 from posttrain.algorithms.experience import Experience, sequence_hidden_states, sequence_logits
 from posttrain.algorithms.terms import DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
 from posttrain.checkpoints import this_ranks, with_every_rank
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
-from posttrain.data.steps import source_step_rule, split_response
+from posttrain.data.steps import source_step_rule
 from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.errors import ConfigError, RewardError
 from posttrain.models.lora import reference_is_the_base, reference_model
 from posttrain.models.roles import ValueModel, build_role
-from posttrain.rewards import ScoredSample, build_reward
+from posttrain.rewards import build_reward
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.repetition import repetition_rule
 from posttrain.sharding import full_state_dict, full_weights
@@ -334,7 +334,8 @@ class OnlineRLModule(PosttrainModule):
         prompt_mask = prompts["prompt_mask"].to(self.device).repeat_interleave(self.group_size, dim=0)
         batch = self.generate(prompt_ids, prompt_mask, self.sampling_params(), generator=generator)
         groups = [first_group + i // self.group_size for i in range(len(batch.response_ids))]
-        samples, step_ends = self.scored_samples(batch, examples, groups)
+        samples, step_ends = rollout_samples(self.tokenizer, batch, [examples[i // self.group_size] for i in range(len(groups))], groups,
+                                             self.step_rule)
         prm_stopped = None
         if self.prm_stop_below is not None:
             samples, step_ends, prm_stopped = self.stop_at_low_prm_steps(batch, samples, step_ends)
@@ -351,22 +352,6 @@ class OnlineRLModule(PosttrainModule):
             rewards, ends = place_step_rewards(scored.step_rewards, step_ends, batch.response_mask.shape)
             experience.step_rewards, experience.step_mask = rewards.to(self.device), ends.to(self.device)
         return experience, scored.metrics
-
-    def scored_samples(self, batch, examples, groups) -> tuple[list[ScoredSample], list[list[int]] | None]:
-        """The reward's view of each response, split into steps when a process reward reads them
-        (then also each step's last token index)."""
-        texts = decode_responses(self.tokenizer, batch.response_ids, batch.response_mask)
-        lengths = batch.response_lengths().tolist()
-        samples = [ScoredSample(examples[i // self.group_size], texts[i], lengths[i], bool(batch.truncated[i]), groups[i],
-                                repeated=bool(batch.repeated[i])) for i in range(len(texts))]
-        if self.step_rule is None:
-            return samples, None
-        step_ends = []
-        for sample, ids, mask in zip(samples, batch.response_ids, batch.response_mask):
-            steps = split_response(self.step_rule, self.tokenizer, ids[mask.bool()].tolist())
-            sample.steps = steps.texts
-            step_ends.append(steps.ends)
-        return samples, step_ends
 
     def stop_at_low_prm_steps(self, batch, samples, step_ends):
         """PRM early stop (rollout.prm_stop_below): a response is cut after its first step whose
