@@ -146,7 +146,14 @@ class PosttrainModule(L.LightningModule):
     def make_optimizer(self, parameters, optim) -> dict:
         """AdamW with linear warm-up and cosine decay over `trainer.max_steps`, from an `optim`
         node (lr, weight_decay, betas, warmup_steps, min_lr_ratio); one per trainable role."""
-        optimizer = torch.optim.AdamW(parameters, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
+        parameters = list(parameters)
+        # the fused kernel: AdamW's update in one pass over each tensor instead of ~10 ops
+        # (as HF Trainer's default); sharded (DTensor) parameters keep the generic path
+        from torch.distributed.tensor import DTensor
+
+        fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in parameters)
+        optimizer = torch.optim.AdamW(parameters, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
+                                      fused=fused or None)
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 1
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, optim.warmup_steps, total, optim.min_lr_ratio)

@@ -100,10 +100,12 @@ def _chunked(logits, labels, support_size, temperature, with_entropy, entropy_gr
 
 
 def _position_chunks(logits: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
-    """[n, V] pieces covering all positions in order, all VIEWS of ``logits`` (never a copy).
+    """[n, V] pieces covering all positions in order, views of ``logits`` where it can be
+    flattened, else copies of at most about ``chunk_tokens`` positions each (never of all).
 
     A sliced ``logits[:, P - 1 : -1]`` cannot be flattened without copying it, so such a
-    tensor is cut row by row instead."""
+    tensor is cut into blocks of whole leading rows, each flattened on its own (one kernel a
+    block, not one per row: a row is a few positions)."""
     if logits.dim() == 1:
         raise ValueError("logits must have at least 2 dimensions [..., V]")
     if logits.dim() == 2:
@@ -111,7 +113,9 @@ def _position_chunks(logits: torch.Tensor, chunk_tokens: int) -> list[torch.Tens
     try:
         return _position_chunks(logits.view(-1, logits.shape[-1]), chunk_tokens)
     except RuntimeError:  # not viewable as [N, V]
-        return [piece for row in logits.unbind(0) for piece in _position_chunks(row, chunk_tokens)]
+        row_positions = logits[0].numel() // logits.shape[-1] if len(logits) else 1
+        rows = max(1, chunk_tokens // max(row_positions, 1))
+        return [piece for block in logits.split(rows) for piece in _position_chunks(block.reshape(-1, logits.shape[-1]), chunk_tokens)]
 
 
 def _score_chunk(z, labels, support_size, *, temperature, with_entropy, entropy_grad):
