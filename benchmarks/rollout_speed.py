@@ -1,7 +1,9 @@
 """Rollout speed: tokens/s of `rollout=fast` against `rollout=hf` and the forward-only ceiling.
 
-    python benchmarks/rollout_speed.py [--batch 64] [--new-tokens 32] [--repeats 5]
+    python benchmarks/rollout_speed.py [--batch 64] [--new-tokens 32] [--group-size 1] [--repeats 5]
                                        [--threads 2] [--eos never|tokenizer] [--json out.json]
+    python benchmarks/rollout_speed.py --grid [--grid-batches 8 64 256] [--grid-new-tokens 32 128]
+                                       [--group-size 1] [--with-hf-loop] [--repeats 5] [--json out.json]
 
 Four rows, measured side by side in one process on the default tiny model (`model=tiny`,
 random init, float32, eval mode) and one batch of left-padded arithmetic prompts:
@@ -25,6 +27,15 @@ only 17 tokens, so a random-init model emits it after ~15 tokens on average and 
 would stop early (``--eos tokenizer`` measures that case; tokens/s then counts only the
 tokens before and including each row's EOS).
 
+Prompts: ``--group-size G`` (default 1: every row a distinct prompt) uses batch / G distinct
+prompts, each repeated G times in a row (``repeat_interleave``) as online RL samples a group
+per prompt; ``fast`` then prefills each prompt once (``prompt_group_size`` in
+rollout/functional.py) and the table says so.
+
+``--grid`` measures every (batch, new tokens) cell, each one as above (fast, hf, ceiling;
+``--with-hf-loop`` adds the HF-loop row), and prints one table with the ceiling / fast
+target at batch 64 per token budget and the cells where fast falls off it.
+
 Speed is reported here, never asserted in tests (tests/test_benchmarks_smoke.py only
 checks that this runs and counts tokens consistently).
 """
@@ -37,7 +48,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,7 +56,8 @@ from posttrain.algorithms.experience import sequence_logits
 from posttrain.data.datamodule import collate_prompts
 from posttrain.data.sources import ArithmeticSource
 from posttrain.models.loading import load_tokenizer_and_model
-from posttrain.rollout import FastSampler, RolloutBatch, SamplingParams, build_rollout
+from posttrain.rollout import RolloutBatch, SamplingParams, build_rollout
+from posttrain.rollout.functional import prompt_group_size
 from posttrain.train import CONFIG_DIR
 
 # Targets from the issue; reported (met / not met), never asserted.
@@ -53,6 +65,9 @@ TARGET_FAST_OVER_HF = 1.7  # fast tokens/s at least this multiple of hf
 TARGET_CEILING_OVER_FAST = 1.5  # ceiling tokens/s at most this multiple of fast
 
 ROWS = ("fast", "fast_hf_loop", "hf", "ceiling")
+GRID_BATCHES = (8, 64, 256)
+GRID_NEW_TOKENS = (32, 128)  # prompts are 8 tokens; the tiny model's context is 256
+TARGET_BATCH = 64  # the batch at which ceiling / fast should stay within TARGET_CEILING_OVER_FAST
 ROW_LABELS = {  # short, so the table fits an 80-column terminal
     "fast": "fast",
     "fast_hf_loop": "fast (HF loop)",
@@ -61,16 +76,21 @@ ROW_LABELS = {  # short, so the table fits an 80-column terminal
 }
 
 
-def build_model_and_prompts(batch: int):
-    """The `model=tiny` policy (as the config builds it) and `batch` left-padded prompts."""
+def build_model_and_prompts(batch: int, group_size: int = 1):
+    """The `model=tiny` policy (as the config builds it) and `batch` left-padded prompts:
+    batch / group_size distinct ones, each repeated group_size times in a row."""
     from omegaconf import OmegaConf
 
+    if group_size < 1 or batch % group_size:
+        raise ValueError(f"--group-size must be >= 1 and divide the batch {batch}, got {group_size}")
     source = ArithmeticSource()  # conf/data/arithmetic.yaml defaults: 3-digit, 2 operands
     model_cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny.yaml")
     tokenizer, model = load_tokenizer_and_model(model_cfg, source.alphabet)
     model.eval()
-    prompts = collate_prompts([source.example("train", i) for i in range(batch)], tokenizer)
-    return tokenizer, model, prompts["prompt_ids"], prompts["prompt_mask"]
+    prompts = collate_prompts([source.example("train", i) for i in range(batch // group_size)], tokenizer)
+    prompt_ids = prompts["prompt_ids"].repeat_interleave(group_size, dim=0)
+    prompt_mask = prompts["prompt_mask"].repeat_interleave(group_size, dim=0)
+    return tokenizer, model, prompt_ids, prompt_mask
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -85,12 +105,16 @@ def measure(
     repeats: int = 5,
     eos: str = "never",
     seed: int = 0,
+    group_size: int = 1,
+    with_hf_loop: bool = True,
 ) -> dict:
     """Time every row ``repeats`` times (round-robin, after one warm-up each); return the
-    numbers as a JSON-ready dict.  Uses the current torch thread setting."""
+    numbers as a JSON-ready dict.  Uses the current torch thread setting.
+    ``with_hf_loop=False`` leaves out the ``fast_hf_loop`` row."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    tokenizer, model, prompt_ids, prompt_mask = build_model_and_prompts(batch)
+    rows = ROWS if with_hf_loop else tuple(name for name in ROWS if name != "fast_hf_loop")
+    tokenizer, model, prompt_ids, prompt_mask = build_model_and_prompts(batch, group_size)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if eos == "never":
         # an id with no logit: never sampled, so every row runs the full new_tokens (see
@@ -101,11 +125,9 @@ def measure(
     else:
         raise ValueError(f"eos must be 'never' or 'tokenizer', got {eos!r}")
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
-    engines = {
-        "fast": build_rollout("fast"),
-        "fast_hf_loop": build_rollout("fast", use_functional=False),
-        "hf": build_rollout("hf"),
-    }
+    engines = {"fast": build_rollout("fast"), "hf": build_rollout("hf")}
+    if with_hf_loop:
+        engines["fast_hf_loop"] = build_rollout("fast", use_functional=False)
     if not engines["fast"].uses_functional_path(model):
         # the comparison would be meaningless: say so instead of reporting it
         raise RuntimeError("the tiny model does not take FastSampler's functional path")
@@ -129,12 +151,12 @@ def measure(
     calls: dict[str, Callable[[], object]] = {name: (lambda n=name: generate(n)) for name in engines}
     calls["ceiling"] = ceiling
 
-    for name in ROWS:  # warm-up: first-call allocations, lazy imports, HF setup
+    for name in rows:  # warm-up: first-call allocations, lazy imports, HF setup
         calls[name]()
-    seconds: dict[str, list[float]] = {name: [] for name in ROWS}
+    seconds: dict[str, list[float]] = {name: [] for name in rows}
     tokens: dict[str, int] = {}
     for _ in range(repeats):
-        for name in ROWS:
+        for name in rows:
             elapsed, out = _timed(calls[name])
             seconds[name].append(elapsed)
             if name == "ceiling":
@@ -149,22 +171,30 @@ def measure(
     rescored = ceiling_logits.log_softmax(dim=-1).gather(2, fast_batch.response_ids[..., None]).squeeze(2)
     logprob_diff = float((rescored - fast_batch.logprobs)[mask].abs().max()) if mask.any() else 0.0
 
-    rows = {}
-    for name in ROWS:
+    results = {}
+    for name in rows:
         median = statistics.median(seconds[name])
-        rows[name] = {
+        results[name] = {
             "seconds_median": median,
             "seconds_min": min(seconds[name]),
             "seconds_all": seconds[name],
             "tokens": tokens[name],
             "tokens_per_s": tokens[name] / median,
         }
-    fast_over_hf = rows["fast"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
-    ceiling_over_fast = rows["ceiling"]["tokens_per_s"] / rows["fast"]["tokens_per_s"]
+    speed = {name: row["tokens_per_s"] for name, row in results.items()}
+    fast_over_hf = speed["fast"] / speed["hf"]
+    ceiling_over_fast = speed["ceiling"] / speed["fast"]
+    ratios = {"fast_over_hf": fast_over_hf, "ceiling_over_fast": ceiling_over_fast}
+    if with_hf_loop:
+        ratios["fast_over_fast_hf_loop"] = speed["fast"] / speed["fast_hf_loop"]
     return {
         "setup": {
             "batch": batch,
             "new_tokens": new_tokens,
+            "group_size": group_size,
+            "distinct_prompts": batch // group_size,
+            # what fast's prefill does with this batch: each distinct prompt once, or every row
+            "prompts_shared": prompt_group_size(prompt_ids, prompt_mask) > 1,
             "repeats": repeats,
             "threads": torch.get_num_threads(),
             "eos": eos,
@@ -177,12 +207,8 @@ def measure(
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
         },
-        "rows": rows,
-        "ratios": {
-            "fast_over_hf": fast_over_hf,
-            "ceiling_over_fast": ceiling_over_fast,
-            "fast_over_fast_hf_loop": rows["fast"]["tokens_per_s"] / rows["fast_hf_loop"]["tokens_per_s"],
-        },
+        "rows": results,
+        "ratios": ratios,
         "targets": {
             "fast_over_hf_min": TARGET_FAST_OVER_HF,
             "fast_over_hf_met": fast_over_hf >= TARGET_FAST_OVER_HF,
@@ -200,7 +226,7 @@ def print_report(results: dict) -> None:
     setup = results["setup"]
     table = Table(
         title=(
-            f"Rollout speed: batch {setup['batch']}, {setup['new_tokens']} new tokens, "
+            f"Rollout speed: batch {setup['batch']} ({_prompts_label(setup)}), {setup['new_tokens']} new tokens, "
             f"{setup['threads']} threads, median of {setup['repeats']}"
         )
     )
@@ -209,8 +235,7 @@ def print_report(results: dict) -> None:
     table.add_column("s / call (min)", justify="right")
     table.add_column("tokens", justify="right")
     table.add_column("tokens/s", justify="right")
-    for name in ROWS:
-        row = results["rows"][name]
+    for name, row in results["rows"].items():
         table.add_row(
             ROW_LABELS[name],
             f"{row['seconds_median']:.4f}",
@@ -233,7 +258,8 @@ def print_report(results: dict) -> None:
         f"ceiling / fast gap:      {ratios['ceiling_over_fast']:.2f}x  "
         f"(target <= {targets['ceiling_over_fast_max']}x: {verdict(targets['ceiling_over_fast_met'])})"
     )
-    console.print(f"fast / fast_hf_loop:     {ratios['fast_over_fast_hf_loop']:.2f}x  (what the functional path buys)")
+    if "fast_over_fast_hf_loop" in ratios:
+        console.print(f"fast / fast_hf_loop:     {ratios['fast_over_fast_hf_loop']:.2f}x  (what the functional path buys)")
     console.print(
         f"ceiling re-scores fast's log-probs to {results['ceiling_logprob_max_abs_diff']:.1e} (max abs diff); "
         f"EOS={setup['eos']} (id {setup['eos_token_id']}), prompts {setup['prompt_columns']} columns, "
@@ -241,10 +267,121 @@ def print_report(results: dict) -> None:
     )
 
 
+def _prompts_label(setup: dict) -> str:
+    """'64 distinct' or '8x16 shared' (distinct prompts x rows each; fast prefilled each once)."""
+    if setup["group_size"] == 1:
+        return f"{setup['distinct_prompts']} distinct"
+    shared = "shared" if setup["prompts_shared"] else "NOT shared"
+    return f"{setup['distinct_prompts']}x{setup['group_size']} {shared}"
+
+
+def _thousands(tokens_per_s: float) -> str:
+    return f"{tokens_per_s / 1000:.1f}k" if tokens_per_s >= 1000 else f"{tokens_per_s:.0f}"
+
+
+def measure_grid(
+    batches: Sequence[int] = GRID_BATCHES,
+    new_tokens: Sequence[int] = GRID_NEW_TOKENS,
+    repeats: int = 5,
+    eos: str = "never",
+    seed: int = 0,
+    group_size: int = 1,
+    with_hf_loop: bool = False,
+) -> dict:
+    """``measure`` for every (batch, new tokens) cell, batch-major; the ceiling / fast target
+    read at ``TARGET_BATCH`` (when the grid has it) and the cells over it."""
+    bad = [b for b in batches if b % group_size]
+    if group_size < 1 or bad:
+        raise ValueError(f"--group-size {group_size} must be >= 1 and divide every batch; it does not divide {bad}")
+    cells = [
+        measure(batch, tokens, repeats, eos, seed, group_size, with_hf_loop) for batch in batches for tokens in new_tokens
+    ]
+    at_target_batch = {
+        cell["setup"]["new_tokens"]: cell["ratios"]["ceiling_over_fast"]
+        for cell in cells
+        if cell["setup"]["batch"] == TARGET_BATCH
+    }
+    return {
+        "cells": cells,
+        "target": {
+            "batch": TARGET_BATCH,
+            "ceiling_over_fast_max": TARGET_CEILING_OVER_FAST,
+            # new tokens -> ceiling / fast at TARGET_BATCH, and whether it is within the target
+            "ceiling_over_fast": at_target_batch,
+            "met": {tokens: ratio <= TARGET_CEILING_OVER_FAST for tokens, ratio in at_target_batch.items()},
+            # every cell, any batch, where fast falls further than the target behind the ceiling
+            "cells_over": [
+                [cell["setup"]["batch"], cell["setup"]["new_tokens"]]
+                for cell in cells
+                if not cell["targets"]["ceiling_over_fast_met"]
+            ],
+        },
+    }
+
+
+def print_grid_report(grid: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    first = grid["cells"][0]["setup"]
+    with_hf_loop = "fast_hf_loop" in grid["cells"][0]["rows"]
+    table = Table(
+        title=f"Rollout speed grid (tokens/s): {first['threads']} threads, median of {first['repeats']}, "
+        f"EOS={first['eos']}"
+    )
+    # thousands of tokens/s and short headers, to keep the table narrow
+    for name in ("batch", "prompts", "new", "fast", "hf", "ceiling"):
+        table.add_column(name, justify="right")
+    if with_hf_loop:
+        table.add_column("HF loop", justify="right")
+    for name in ("fast/hf", "ceil/fast", "lp diff"):
+        table.add_column(name, justify="right")
+    for cell in grid["cells"]:
+        setup, rows, ratios = cell["setup"], cell["rows"], cell["ratios"]
+        values = [str(setup["batch"]), _prompts_label(setup), str(setup["new_tokens"])]
+        values += [_thousands(rows[name]["tokens_per_s"]) for name in ("fast", "hf", "ceiling")]
+        if with_hf_loop:
+            values.append(_thousands(rows["fast_hf_loop"]["tokens_per_s"]))
+        gap = f"{ratios['ceiling_over_fast']:.2f}x"
+        if not cell["targets"]["ceiling_over_fast_met"]:
+            gap = f"[red]{gap}[/red]"
+        values += [f"{ratios['fast_over_hf']:.2f}x", gap, f"{cell['ceiling_logprob_max_abs_diff']:.1e}"]
+        table.add_row(*values)
+    console = Console(width=max(Console().width, 110))  # one line per cell, also when piped (80 columns)
+    console.print(table)
+    target = grid["target"]
+    if target["ceiling_over_fast"]:
+        readings = ", ".join(
+            f"{ratio:.2f}x at {tokens} new tokens ({'met' if target['met'][tokens] else 'NOT met'})"
+            for tokens, ratio in target["ceiling_over_fast"].items()
+        )
+        console.print(
+            f"ceiling / fast at batch {target['batch']} (target <= {target['ceiling_over_fast_max']}x): {readings}"
+        )
+    over = ", ".join(f"batch {b} x {t}" for b, t in target["cells_over"]) or "none"
+    console.print(f"cells where fast falls off (ceiling / fast > {target['ceiling_over_fast_max']}x): {over}")
+    console.print(
+        "lp diff: max abs diff of fast's log-probs and the ceiling forward's re-scoring of its tokens "
+        f"(the same computation: ~1e-6 in float32); torch {first['torch']}, transformers {first['transformers']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64, help="rows generated per call")
     parser.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="rows per distinct prompt, repeated in a row as online RL does (default 1: all distinct)",
+    )
+    parser.add_argument("--grid", action="store_true", help="measure every --grid-batches x --grid-new-tokens cell")
+    parser.add_argument("--grid-batches", type=int, nargs="+", default=list(GRID_BATCHES), help="batches of --grid")
+    parser.add_argument(
+        "--grid-new-tokens", type=int, nargs="+", default=list(GRID_NEW_TOKENS), help="new-token budgets of --grid"
+    )
+    parser.add_argument("--with-hf-loop", action="store_true", help="--grid: also time the fast (HF loop) row")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument(
@@ -259,8 +396,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    results = measure(args.batch, args.new_tokens, args.repeats, args.eos, args.seed)
-    print_report(results)
+    if args.grid:
+        results = measure_grid(
+            args.grid_batches, args.grid_new_tokens, args.repeats, args.eos, args.seed, args.group_size, args.with_hf_loop
+        )
+        print_grid_report(results)
+    else:
+        results = measure(args.batch, args.new_tokens, args.repeats, args.eos, args.seed, args.group_size)
+        print_report(results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return results

@@ -39,3 +39,38 @@ def test_measure_reports_every_row_with_consistent_token_counts(rollout_speed):
     assert results["ceiling_logprob_max_abs_diff"] < 1e-3
     assert results["ratios"]["fast_over_hf"] > 0 and results["ratios"]["ceiling_over_fast"] > 0
     assert isinstance(results["targets"]["fast_over_hf_met"], bool)
+
+
+def test_grid_measures_every_cell_and_marks_shared_prompts(rollout_speed, tmp_path, capsys):
+    """--grid through the command line: one cell per (batch, new tokens), each with the fast,
+    hf and ceiling rows and its own consistency check; --group-size repeats the prompts."""
+    import json
+
+    import torch
+
+    out = tmp_path / "grid.json"
+    argv = ["--grid", "--grid-batches", "2", "4", "--grid-new-tokens", "2", "--repeats", "1",
+            "--group-size", "2", "--threads", str(torch.get_num_threads()), "--json", str(out)]
+    grid = rollout_speed.main(argv)
+    assert json.loads(out.read_text())["cells"][1]["setup"]["batch"] == 4
+    assert "2x2 shared" in capsys.readouterr().out
+    assert [(c["setup"]["batch"], c["setup"]["new_tokens"]) for c in grid["cells"]] == [(2, 2), (4, 2)]
+    for cell in grid["cells"]:
+        setup, rows = cell["setup"], cell["rows"]
+        assert set(rows) == {"fast", "hf", "ceiling"}  # the HF loop only with --with-hf-loop
+        assert setup["distinct_prompts"] == setup["batch"] // 2 and setup["prompts_shared"]
+        for name in ("fast", "hf"):
+            assert rows[name]["tokens"] == setup["batch"] * setup["new_tokens"], name
+        assert rows["ceiling"]["tokens"] == rows["fast"]["tokens"]
+        assert cell["ceiling_logprob_max_abs_diff"] < 1e-3
+    # no batch-64 cell here, so no target reading; the fall-off list names cells of the grid
+    assert grid["target"]["ceiling_over_fast"] == {}
+    assert all(cell in ([2, 2], [4, 2]) for cell in grid["target"]["cells_over"])
+
+
+def test_distinct_prompts_are_not_shared_and_a_group_must_divide_the_batch(rollout_speed):
+    cell = rollout_speed.measure(batch=2, new_tokens=2, repeats=1, with_hf_loop=False)
+    assert cell["setup"]["distinct_prompts"] == 2 and not cell["setup"]["prompts_shared"]
+    assert set(cell["rows"]) == {"fast", "hf", "ceiling"}
+    with pytest.raises(ValueError, match="group-size 3 .* divide every batch"):
+        rollout_speed.measure_grid(batches=[6, 4], new_tokens=[2], repeats=1, group_size=3)

@@ -311,9 +311,7 @@ class OnlineRLModule(PosttrainModule):
         metrics.update(self.curriculum.on_step_end(step + 1, metrics.get("rollout/prefilter_accuracy")))
         self.train_batches_seen += 1
         metrics["rollout/batch"] = float(self.train_batches_seen)
-        shown = {"rollout/reward_mean", "rollout/accuracy"}
-        self.log_dict({k: v for k, v in metrics.items() if k not in shown})
-        self.log_dict({k: v for k, v in metrics.items() if k in shown}, prog_bar=True)
+        self.log_step_metrics(metrics, shown={"rollout/reward_mean", "rollout/accuracy"})
 
     # --- 1. collect --------------------------------------------------------------------------
     def sampling_params(self) -> SamplingParams:
@@ -481,7 +479,10 @@ class OnlineRLModule(PosttrainModule):
         for _ in range(self.ppo_epochs):
             order = torch.randperm(size, generator=generator).to(self.device)
             for start in range(0, size - minibatch + 1, minibatch):
-                stats = self.minibatch_step(exp.select(order[start:start + minibatch]), train_policy)
+                # a random set of rows, kept in batch order: the loss is a sum over rows, and a
+                # group's rows stay together, so the forward computes their prompt once
+                rows = order[start:start + minibatch].sort().values
+                stats = self.minibatch_step(exp.select(rows), train_policy)
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 updates += 1

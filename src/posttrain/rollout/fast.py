@@ -1,8 +1,10 @@
 """`rollout=fast`: batched KV-cache sampling with low per-token overhead.
 
 Llama/Qwen2/Mistral-family models run through ``FunctionalDecoder`` (fused weights,
-static cache; see functional.py).  Any other causal LM, or a sharded one, falls back to a
-generic loop over the HF forward with ``past_key_values``: correct, just slower.
+static cache; see functional.py).  A batch of prompts each repeated G times in a row, as
+online RL samples a group per prompt, is prefilled once per prompt there.  Any other
+causal LM, or a sharded one, falls back to a generic loop over the HF forward with
+``past_key_values``: correct, just slower.
 
 Per step the loop only samples, stores the token and its log-prob, and checks whether
 every row has produced an EOS or started looping (``SamplingParams.repetition``,

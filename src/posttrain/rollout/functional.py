@@ -21,6 +21,8 @@ What makes it lean:
   is one additive key mask built once; the rotations e^{i theta p} for every step are
   built once up front, at per-row positions (a prompt's continuation does not depend on
   how much padding its batch gave it; this is also what HF ``generate`` does).
+* a prompt repeated G times in a row (online RL's groups) is prefilled once: the forward
+  runs on one row per run and its keys/values are copied to the G rows of the cache.
 * attention is an explicit ``baddbmm`` (mask + scaled scores in one op), softmax, ``bmm``:
   for a single decode query ~2x, for a short prompt ~10x cheaper on CPU than SDPA.  GQA needs
   no ``repeat_kv`` copy: the query heads sharing a kv head act as that head's queries.
@@ -237,6 +239,16 @@ class FusedWeights:
         )
 
 
+def prompt_group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """G if the batch is runs of G > 1 identical consecutive rows (ids and mask), all runs
+    the same length -- what ``repeat_interleave(G)`` of the prompts gives; else 1.
+    Reads the run lengths back (one sync on an accelerator)."""
+    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    _, run_lengths = torch.unique_consecutive(rows, dim=0, return_counts=True)
+    lengths = set(run_lengths.tolist())
+    return lengths.pop() if len(lengths) == 1 else 1
+
+
 class FunctionalDecoder:
     """Prefill a left-padded prompt batch once, then decode one token per row per ``step``.
 
@@ -285,38 +297,50 @@ class FunctionalDecoder:
 
         Returns the next-token logits [B, V] (or [B, P, V] with ``all_logits``).  Also
         builds the per-step RoPE tables and the decode attention mask.
+
+        When the rows come in runs of G identical prompts (online RL repeats each prompt
+        ``group_size`` times), the forward runs on one row per run and its keys, values and
+        logits are repeated G times: the same result (up to float rounding), G times less
+        prefill work.
         """
         batch, plen = prompt_ids.shape
         if batch != self.batch_size or plen >= self.max_len:
             raise ValueError(f"prompt batch {tuple(prompt_ids.shape)} does not fit the cache")
-        mask = prompt_mask.bool()
-        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        rotation = self._rotation(positions)[:, :, None, :]  # [B, P, 1 (heads), D/2]
+        group = prompt_group_size(prompt_ids, prompt_mask)
+        ids, rows_mask = prompt_ids[::group], prompt_mask[::group]  # one row per run
+        rows = batch // group
+        mask = rows_mask.bool()
+        positions = (rows_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        rotation = self._rotation(positions)[:, :, None, :]  # [rows, P, 1 (heads), D/2]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         allowed = torch.ones(plen, plen, dtype=torch.bool, device=self.device).tril() & mask[:, None, :]
         # a pad query row would see no key at all (NaN): let it see itself
         allowed |= torch.eye(plen, dtype=torch.bool, device=self.device)
-        # additive mask in the layout of the grouped attention below: [B * kv_heads, n_rep * P, P]
+        # additive mask in the layout of the grouped attention below: [rows * kv_heads, n_rep * P, P]
         attn_bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
-        attn_bias = attn_bias[:, None, None].expand(batch, hkv, self.n_rep, plen, plen).reshape(batch * hkv, -1, plen)
+        attn_bias = attn_bias[:, None, None].expand(rows, hkv, self.n_rep, plen, plen).reshape(rows * hkv, -1, plen)
         nqk = (hq + hkv) * d
 
-        h = F.embedding(prompt_ids, self.w.embed)
+        def to_batch(x: torch.Tensor) -> torch.Tensor:
+            """[rows, ...] -> [B, ...]: each run's row, repeated for every row of its run."""
+            return x if group == 1 else x.repeat_interleave(group, dim=0)
+
+        h = F.embedding(ids, self.w.embed)
         for layer, k_cache, v_cache in zip(self.w.layers, self.k_layers, self.v_layers):
             out = F.linear(_unit_rms(h, layer.floor1), layer.w_qkv, layer.b_qkv)
             qk = out[..., :nqk].unflatten(-1, (hq + hkv, d))
             _rope_(qk, rotation)
-            q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, P, D]
+            q = qk[:, :, :hq].transpose(1, 2)  # [rows, Hq, P, D]
             k = qk[:, :, hq:].transpose(1, 2)
             v = out[..., nqk:].unflatten(-1, (hkv, d)).transpose(1, 2)
-            k_cache[:, :, :plen] = k
-            v_cache[:, :, :plen] = v
+            k_cache[:, :, :plen] = to_batch(k)
+            v_cache[:, :, :plen] = to_batch(v)
             # explicit attention, the query heads of a kv head stacked as its queries (no
             # repeat_kv): on short prompts ~10x cheaper on CPU than SDPA's flash kernel
-            scores = torch.baddbmm(attn_bias, q.reshape(batch * hkv, -1, d), k.reshape(batch * hkv, plen, d).transpose(1, 2),
+            scores = torch.baddbmm(attn_bias, q.reshape(rows * hkv, -1, d), k.reshape(rows * hkv, plen, d).transpose(1, 2),
                                    alpha=self.scale)
-            a = torch.bmm(scores.softmax(dim=-1), v.reshape(batch * hkv, plen, d))
-            a = a.view(batch, hq, plen, d).transpose(1, 2).reshape(batch, plen, hq * d)
+            a = torch.bmm(scores.softmax(dim=-1), v.reshape(rows * hkv, plen, d))
+            a = a.view(rows, hq, plen, d).transpose(1, 2).reshape(rows, plen, hq * d)
             h = h + F.linear(a, layer.w_o_t.t(), layer.b_o)
             gate, up = F.linear(_unit_rms(h, layer.floor2), layer.w_gate_up, layer.b_gate_up).chunk(2, -1)
             h = h + F.linear(F.silu(gate) * up, layer.w_down_t.t(), layer.b_down)
@@ -332,12 +356,12 @@ class FunctionalDecoder:
         # additive key mask hiding the left padding, in the [B * kv_heads, 1, S] layout
         # of the decode attention's baddbmm (generated columns are always visible)
         key_ok = torch.ones(batch, self.max_len, dtype=torch.bool, device=self.device)
-        key_ok[:, :plen] = mask
+        key_ok[:, :plen] = prompt_mask.bool()
         additive = torch.zeros(batch, self.max_len, dtype=self.dtype, device=self.device)
         additive = additive.masked_fill(~key_ok, float("-inf"))
         self.decode_mask = additive.repeat_interleave(hkv, dim=0)[:, None, :].contiguous()
 
-        return self._logits(h if all_logits else h[:, -1])
+        return to_batch(self._logits(h if all_logits else h[:, -1]))
 
     # ------------------------------------------------------------------ decode
 

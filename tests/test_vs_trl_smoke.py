@@ -1,0 +1,137 @@
+"""benchmarks/vs_trl.py: its workers run and report every measurement; its summaries are right.
+
+Behaviour only: speed is measured by the benchmark itself, never asserted in tests. The
+workers run in subprocesses, as the benchmark runs them (the posttrain worker patches
+OnlineRLModule's methods for timing, which must not leak into other tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_trl.py"
+
+
+@pytest.fixture(scope="module")
+def vs_trl():
+    # benchmarks/ is a folder of scripts, not a package: load the file by path
+    spec = importlib.util.spec_from_file_location("vs_trl", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """`model=tiny` (random init) saved as an HF directory: quicker than the cached warm start."""
+    from omegaconf import OmegaConf
+
+    from posttrain.data.sources import ArithmeticSource
+    from posttrain.models.loading import load_tokenizer_and_model
+    from posttrain.train import CONFIG_DIR
+
+    directory = tmp_path_factory.mktemp("vs_trl_model")
+    tokenizer, model = load_tokenizer_and_model(OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny.yaml"),
+                                                ArithmeticSource().alphabet)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def run_worker(framework: str, kl: str, model_dir: Path, json_path: Path) -> dict:
+    command = [sys.executable, str(BENCHMARK), "step", "--worker", framework, "--kl", kl, "--model", str(model_dir),
+               "--steps", "3", "--warmup", "1", "--threads", "1", "--json", str(json_path)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    return json.loads(json_path.read_text())
+
+
+def check_worker_result(vs_trl, result: dict, framework: str, kl: str) -> None:
+    assert result["framework"] == framework and result["kl"] == kl
+    assert len(result["step_s"]) == 3 and len(result["tokens"]) == 3  # warm-up step dropped
+    assert set(result["split_s"]) == set(vs_trl.SPLIT)
+    for part, seconds in result["split_s"].items():
+        assert len(seconds) == 3, part
+    for part in ("generation", "forward", "backward", "optimiser"):  # every wrapped method was hit each step
+        assert all(s > 0 for s in result["split_s"][part]), part
+    for i, step in enumerate(result["step_s"]):  # the split adds up to the step
+        assert sum(result["split_s"][part][i] for part in vs_trl.SPLIT) == pytest.approx(step)
+        assert sum(result["split_s"][part][i] for part in vs_trl.PARTS) <= step
+    assert all(tokens > 0 for tokens in result["tokens"])
+    assert result["peak_rss_mb"] > 0
+    memory = result["memory"]
+    # a reference model (and its forward) only with the KL term
+    assert memory["reference"] is (kl == "k3")
+    assert (memory["frozen_params"] > 0) is (kl == "k3")
+    if kl == "k3":
+        assert all(s > 0 for s in result["split_s"]["logprobs"])
+    assert memory["frozen_with_grad"] == 0 and memory["frozen_with_optimiser_state"] == 0
+
+
+@pytest.mark.parametrize("kl", ["k3", "none"])
+def test_posttrain_worker_reports_steps_split_and_memory(vs_trl, tiny_model_dir, tmp_path, kl):
+    result = run_worker("posttrain", kl, tiny_model_dir, tmp_path / "result.json")
+    check_worker_result(vs_trl, result, "posttrain", kl)
+    assert result["memory"]["frozen_requires_grad"] == 0  # posttrain freezes its reference
+
+
+@pytest.mark.parametrize("kl", ["k3", "none"])
+def test_trl_worker_reports_steps_split_and_memory(vs_trl, tiny_model_dir, tmp_path, kl):
+    pytest.importorskip("trl")
+    result = run_worker("trl", kl, tiny_model_dir, tmp_path / "result.json")
+    check_worker_result(vs_trl, result, "trl", kl)
+    if kl == "none":  # on-policy without a reference: TRL runs no forward without gradient
+        assert result["split_s"]["logprobs"] == [0.0, 0.0, 0.0]
+
+
+def worker_result(framework: str, kl: str, step_s: list[float], rss: float = 100.0) -> dict:
+    split = {part: [0.0] * len(step_s) for part in ("generation", "logprobs", "forward", "backward", "optimiser")}
+    split["generation"] = [s / 2 for s in step_s]
+    split["overhead"] = [s / 2 for s in step_s]
+    return {"framework": framework, "kl": kl, "step_s": step_s, "split_s": split, "tokens": [10] * len(step_s),
+            "peak_rss_mb": rss,
+            "memory": {"reference": kl == "k3", "frozen_params": 5, "frozen_requires_grad": 0, "frozen_with_grad": 0,
+                       "frozen_with_optimiser_state": 0}}
+
+
+def test_summarise_gives_medians_ranges_and_both_ratios(vs_trl):
+    results = [  # two repeats of each framework, one KL setting
+        worker_result("posttrain", "k3", [0.1, 0.2, 0.3], rss=100),  # repeat median 200 ms
+        worker_result("trl", "k3", [0.3, 0.3, 0.3], rss=300),        # 300 ms
+        worker_result("trl", "k3", [1.0, 1.0, 1.0], rss=500),        # 1000 ms
+        worker_result("posttrain", "k3", [0.4, 0.4, 0.4], rss=200),  # 400 ms
+    ]
+    row = vs_trl.summarise(results)["k3"]
+    assert row["posttrain"]["step_ms"] == pytest.approx(300)       # median of 200 and 400
+    assert row["posttrain"]["step_ms_range"] == pytest.approx([200, 400])
+    assert row["trl"]["step_ms"] == pytest.approx(650)
+    assert row["trl"]["step_ms_range"] == pytest.approx([300, 1000])
+    assert row["posttrain"]["split_ms"]["generation"] == pytest.approx(150)
+    assert row["posttrain"]["split_ms"]["forward"] == 0
+    assert row["posttrain"]["peak_rss_mb"] == pytest.approx(150)
+    assert row["trl"]["tokens_per_s"] == pytest.approx(statistics.median([30 / 0.9, 30 / 3.0]))
+    # per repeat: 300 / 200 = 1.5 and 1000 / 400 = 2.5
+    assert row["ratio"]["median_of_repeat_ratios"] == pytest.approx(2.0)
+    assert row["ratio"]["ratio_of_medians"] == pytest.approx(650 / 300)
+    assert "kl=k3" in vs_trl.step_table({"k3": row})
+
+
+def test_accuracy_summary_finds_when_posttrain_reaches_trls_final_accuracy(vs_trl):
+    def curve(*points):
+        return [{"train_s": t, "step": i, "accuracy": a} for i, (t, a) in enumerate(points)]
+
+    curves = {"posttrain": [curve((0, 0.2), (10, 0.4), (20, 0.6)), curve((0, 0.2), (12, 0.6), (22, 0.6))],
+              "trl": [curve((0, 0.2), (30, 0.4)), curve((0, 0.2), (31, 0.6))]}
+    summary = vs_trl.summarise_accuracy(curves)
+    assert summary["trl"]["final_accuracy"] == pytest.approx(0.5)
+    # posttrain's mean: 0.2 from 0 s, 0.3 from 10 s, 0.5 from 12 s (both seeds have run to 20 s)
+    assert [p["accuracy"] for p in summary["posttrain"]["mean_curve"]] == pytest.approx([0.2, 0.3, 0.5, 0.6])
+    assert summary["posttrain_reaches_trl_final_s"] == 12
+    assert summary["trl_total_s"] == pytest.approx(30.5)
