@@ -14,8 +14,7 @@ import torch
 import transformers
 
 from posttrain.algorithms.experience import sequence_logits
-from posttrain.models.grouped_forward import (grouped_forward_unsupported_reason, grouped_logits,
-                                              shared_prompt_group_size)
+from posttrain.models.grouped_forward import grouped_forward_unsupported_reason, grouped_logits
 
 
 def _init(model_cls, config, seed=0):
@@ -130,7 +129,7 @@ def test_lora_adapter_gradients_equal_the_hf_forward():
     trainable = [p for p in model.parameters() if p.requires_grad]
     expected = torch.autograd.grad(_masked_logprob_sum(_hf_logits(model, *batch), batch[2], batch[3]), trainable)
     assert grouped_forward_unsupported_reason(model) is None
-    got = torch.autograd.grad(_masked_logprob_sum(sequence_logits(model, *batch, group_size=2), batch[2], batch[3]),
+    got = torch.autograd.grad(_masked_logprob_sum(sequence_logits(model, *batch), batch[2], batch[3]),
                               trainable)
     for a, b in zip(got, expected):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
@@ -147,19 +146,42 @@ def test_sequence_logits_uses_it_only_where_it_is_exact():
     assert grouped_forward_unsupported_reason(dropout.eval()) is None  # no dropout in eval mode
     batch = _batch(model.config.vocab_size, group_size=2)
     with torch.no_grad():  # the fallback (HF forward) and the grouped path agree
-        assert torch.allclose(sequence_logits(checkpointed.eval(), *batch, group_size=2)[batch[3].bool()],
-                              sequence_logits(model.eval(), *batch, group_size=2)[batch[3].bool()], atol=1e-5)
+        assert torch.allclose(sequence_logits(checkpointed.eval(), *batch)[batch[3].bool()],
+                              sequence_logits(model.eval(), *batch)[batch[3].bool()], atol=1e-5)
 
 
-def test_group_size_is_shared_only_for_runs_of_identical_prompts():
-    prompt_ids, prompt_mask, _, _ = _batch(32, group_size=4)
-    assert shared_prompt_group_size(prompt_ids, prompt_mask, 4) == 4
-    assert shared_prompt_group_size(prompt_ids, prompt_mask, 2) == 2  # runs of 4 are runs of 2
-    assert shared_prompt_group_size(prompt_ids, prompt_mask, 1) == 1
-    assert shared_prompt_group_size(prompt_ids[:10], prompt_mask[:10], 4) == 1  # a partial group
-    changed = prompt_ids.clone()
-    changed[5, -1] += 1  # one row of the second group differs
-    assert shared_prompt_group_size(changed, prompt_mask, 4) == 1
-    shifted = prompt_mask.clone()
-    shifted[1, 0] = 1 - shifted[1, 0]
-    assert shared_prompt_group_size(prompt_ids, shifted, 4) == 1
+def test_sequence_logits_runs_each_prompt_of_a_group_once(monkeypatch):
+    import posttrain.algorithms.experience as experience
+
+    seen = []
+    real = experience.grouped_logits
+    monkeypatch.setattr(experience, "grouped_logits", lambda *args: seen.append(args[-1]) or real(*args))
+    model = _qwen()
+    batch = _batch(model.config.vocab_size, group_size=4)
+    sequence_logits(model, *batch)
+    shuffled = [x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))] for x in batch]
+    sequence_logits(model, *shuffled)  # rows out of group order: nothing is shared
+    assert seen == [4, 1]
+
+
+@pytest.mark.parametrize("width", [1, 5, 15, 16, 23])
+def test_padded_softmax_equals_softmax_with_its_gradient(width):
+    from posttrain.rollout.functional import softmax_last
+
+    x = torch.randn(6, 3, width, requires_grad=True)
+    if width > 1:
+        x.data[0, 0, 0] = float("-inf")  # masked entries stay at weight 0
+    weights = torch.randn(6, 3, width)
+    got = softmax_last(x)
+    assert got.shape == x.shape
+    assert torch.allclose(got, x.softmax(-1), atol=1e-7)
+    (grad,) = torch.autograd.grad((got * weights).sum(), x)
+    (expected,) = torch.autograd.grad((x.softmax(-1) * weights).sum(), x)
+    assert torch.allclose(grad, expected, atol=1e-6)
+
+
+def test_lora_dropout_keeps_the_hf_forward():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1))
+    assert "LoRA dropout" in grouped_forward_unsupported_reason(model.train())
+    assert grouped_forward_unsupported_reason(model.eval()) is None

@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from posttrain.models.grouped_forward import grouped_forward_unsupported_reason, grouped_logits, shared_prompt_group_size
+from posttrain.models.grouped_forward import grouped_forward_unsupported_reason, grouped_logits
+from posttrain.rollout.functional import prompt_group_size
 
 
 @dataclass
@@ -83,16 +84,16 @@ PER_TOKEN = ("response_ids", "response_mask", "rollout_logprobs", "support_size"
              "step_mask", "old_logp", "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
 
 
-def sequence_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size: int = 1) -> torch.Tensor:
+def sequence_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
     """Logits predicting each response token, [B, T, V], in the model's dtype (upcast later,
     chunk by chunk). Positions count real tokens only, as the samplers do, so left padding does
     not shift a prompt's positions. Only the response positions go through the LM head.
 
-    Rows in consecutive groups of `group_size` identical prompts (an online-RL batch) run each
-    prompt once, through the lean grouped forward (models/grouped_forward.py), where the
-    architecture allows; otherwise through the model's own forward, every row whole."""
+    Where the architecture allows, this is the lean grouped forward (models/grouped_forward.py):
+    rows in runs of identical prompts (an online-RL batch: a group's samples) run their prompt
+    once. Otherwise the model's own forward runs every row whole."""
     if grouped_forward_unsupported_reason(model) is None:
-        group_size = shared_prompt_group_size(prompt_ids, prompt_mask, group_size)
+        group_size = prompt_group_size(prompt_ids, prompt_mask)
         return grouped_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
     input_ids, attention_mask, position_ids = _inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     width = response_ids.shape[1]

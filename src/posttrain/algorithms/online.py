@@ -558,8 +558,7 @@ class OnlineRLModule(PosttrainModule):
             logits = self.policy.get_output_embeddings()(hidden)
             values = self.critic.values(hidden)
         else:
-            logits = sequence_logits(self.policy, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask,
-                                     self.group_size)
+            logits = sequence_logits(self.policy, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
             values = self.critic(exp.prompt_ids, exp.prompt_mask, exp.response_ids,
                                  exp.response_mask) if with_values else None
         logp, entropy = self.logprobs_from(logits, exp, with_entropy=True, entropy_grad=need_entropy_grad)
@@ -567,15 +566,13 @@ class OnlineRLModule(PosttrainModule):
 
     def token_logprobs(self, model, exp: Experience):
         """(log-probs, None) of the response tokens under ``model`` (a scorer's forward)."""
-        logits = sequence_logits(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask,
-                                 self.group_size)
+        logits = sequence_logits(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
         return self.logprobs_from(logits, exp, with_entropy=False)
 
     @torch.no_grad()
     def teacher_logits(self, exp: Experience) -> torch.Tensor:
         """The frozen teacher's logits [b, T, V] on a micro-batch (distill.mode=full)."""
-        return sequence_logits(self.teacher, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask,
-                               self.group_size)
+        return sequence_logits(self.teacher, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
 
     def distill_coef(self) -> float:
         """The distillation weight at this rollout batch: `distill.coef`, annealed by

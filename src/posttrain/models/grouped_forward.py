@@ -33,60 +33,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.rollout.functional import FusedWeights, unsupported_reason, without_adapter_wrapper
+from posttrain.rollout.functional import (FusedWeights, _unit_rms, final_logits, rotation, softmax_last,
+                                         unsupported_reason, without_adapter_wrapper)
 
 
 def grouped_forward_unsupported_reason(model: nn.Module) -> Optional[str]:
     """None if `grouped_logits` reproduces ``model``'s forward (in its current mode), else why not."""
-    reason = unsupported_reason(without_adapter_wrapper(model))
+    hf_model = without_adapter_wrapper(model)
+    reason = unsupported_reason(hf_model)
     if reason is not None:
         return reason
-    config = without_adapter_wrapper(model).config
-    if model.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+    if model.training and float(getattr(hf_model.config, "attention_dropout", 0.0) or 0.0) > 0:
         return "attention dropout is on"
-    hf_model = without_adapter_wrapper(model)
     checkpointing = getattr(hf_model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
     if checkpointing if checkpointing is not None else getattr(hf_model, "is_gradient_checkpointing", False):
         return "gradient checkpointing is on (the HF forward recomputes its blocks)"
-    lora_dropout = [m for m in model.modules() if hasattr(m, "lora_dropout")]
-    for module in lora_dropout:
-        if model.training and any(isinstance(d, nn.Dropout) and d.p > 0 for d in module.lora_dropout.values()):
-            return "LoRA dropout is on"
+    if model.training and hasattr(model, "peft_config"):  # a PEFT model: its adapters' input dropout
+        for module in model.modules():
+            if any(isinstance(d, nn.Dropout) and d.p > 0 for d in getattr(module, "lora_dropout", {}).values()):
+                return "LoRA dropout is on"
     return None
-
-
-def shared_prompt_group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> int:
-    """`group_size` if the rows come in consecutive runs of `group_size` identical prompts (as
-    online RL lays a batch out), else 1 (no sharing)."""
-    rows = prompt_ids.shape[0]
-    if group_size <= 1 or rows % group_size:
-        return 1
-    ids = prompt_ids.view(rows // group_size, group_size, -1)
-    mask = prompt_mask.view(rows // group_size, group_size, -1)
-    same = torch.equal(ids, ids[:, :1].expand_as(ids)) and torch.equal(mask, mask[:, :1].expand_as(mask))
-    return group_size if same else 1
-
-
-def _unit_rms(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(||x||^2 + H eps), as `rollout.functional._unit_rms` but out of place (autograd
-    needs the norm it divides by)."""
-    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).hypot(floor)
-    return x / norm if x.dtype == torch.float32 else (x.float() / norm).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """x [..., D] (rotary pairs adjacent) rotated by the complex ``rotation`` [..., D/2], out of place."""
     rotated = torch.view_as_complex(x.float().unflatten(-1, (-1, 2))) * rotation
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
-
-
-def _rotation(weights: FusedWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e^{i theta p} per (position, rotary pair), from HF's own rotary module (see
-    `FunctionalDecoder._rotation`)."""
-    cos, sin = weights.rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
-    half = cos.shape[-1] // 2
-    real = torch.float64 if dtype == torch.float64 else torch.float32
-    return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real))
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +71,7 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
 
     prompt_ids / prompt_mask [B, P] left-padded; response_ids / response_mask [B, T], each
     mask a prefix of ones; rows come in groups of `group_size` consecutive rows with identical
-    prompts (`shared_prompt_group_size`). Each group's prompt runs once, and the response
+    prompts (`rollout.functional.prompt_group_size`). Each group's prompt runs once, and the response
     stream holds only the tokens whose output predicts a real token (a response's last token
     and its padding predict nothing): the matmuls run on those tokens alone, packed, and
     attention on a padded [B, T - 1] layout. Logits of positions that predict padding are 0.
@@ -115,7 +87,7 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
 
     # positions count real tokens only (left padding shifts nothing), as the samplers do
     prompt_pos = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    prompt_rot = _rotation(w, prompt_pos, dtype)[:, :, None, :]  # [U, P, 1 (heads), D/2]
+    prompt_rot = rotation(w, prompt_pos, dtype)[:, :, None, :]  # [U, P, 1 (heads), D/2]
     hp = F.embedding(prompt_ids, w.embed, padding_idx=pad)       # [U, P, H]
 
     # the response stream: position t predicts token t + 1, so only positions t < T - 1 whose
@@ -125,7 +97,7 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     rows = needed.nonzero().squeeze(1)
     hr = F.embedding(response_ids[:, :span].reshape(-1)[rows], w.embed, padding_idx=pad)  # [N, H]
     response_pos = prompt_mask.long().sum(dim=1, keepdim=True) + torch.arange(span, device=device)
-    response_rot = _rotation(w, response_pos, dtype)[:, None, :, None, :]  # [U, 1 (G), T-1, 1 (heads), D/2]
+    response_rot = rotation(w, response_pos, dtype)[:, None, :, None, :]  # [U, 1 (G), T-1, 1 (heads), D/2]
 
     prompt_bias, response_bias = _attention_biases(prompt_mask, span, hkv, hq // hkv, dtype)
     for layer in w.layers:
@@ -134,14 +106,10 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
             hr = _response_block(w, layer, hr, rows, (u, g, span), kp, vp, response_rot, response_bias)
 
     # the last prompt position predicts each response's first token
-    first = _logits(w, hp[:, -1]).repeat_interleave(g, dim=0)[:, None]  # [B, 1, V]
-    rest = _logits(w, hr)                                              # [N, V]
+    first = final_logits(w, hp[:, -1]).repeat_interleave(g, dim=0)[:, None]  # [B, 1, V]
+    rest = final_logits(w, hr)                                              # [N, V]
     rest = rest.new_zeros(batch * span, rest.shape[-1]).index_copy(0, rows, rest).view(batch, span, -1)
     return torch.cat([first, rest], dim=1)
-
-
-def _logits(w: FusedWeights, h: torch.Tensor) -> torch.Tensor:
-    return F.linear(_unit_rms(h, w.final_floor) * w.final_gain, w.lm_head, w.lm_head_bias)
 
 
 def _attention_biases(prompt_mask: torch.Tensor, span: int, hkv: int, n_rep: int, dtype):
@@ -179,7 +147,7 @@ def _prompt_block(w: FusedWeights, layer, hp, rotation, bias):
     k = _rotate(k.unflatten(-1, (hkv, d)), rotation).transpose(1, 2).reshape(u * hkv, plen, d)
     v = v.unflatten(-1, (hkv, d)).transpose(1, 2).reshape(u * hkv, plen, d)
     scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=d**-0.5)
-    a = torch.bmm(scores.softmax(dim=-1), v).view(u, hq, plen, d).transpose(1, 2).reshape(u, plen, hq * d)
+    a = torch.bmm(softmax_last(scores), v).view(u, hq, plen, d).transpose(1, 2).reshape(u, plen, hq * d)
     return _mlp(layer, hp + F.linear(a, layer.w_o_t.t(), layer.b_o)), k, v
 
 
@@ -201,7 +169,7 @@ def _response_block(w: FusedWeights, layer, hr, rows, shape, kp, vp, rotation, b
     v = v.unflatten(-1, (hkv, d)).permute(0, 3, 1, 2, 4).reshape(u * hkv * g, span, d)
     to_prompt = torch.bmm(q, kp.transpose(1, 2)).view(u, hkv * g * n_rep, span, plen)
     to_response = torch.bmm(q.reshape(u * hkv * g, n_rep * span, d), k.transpose(1, 2)).view(u, hkv * g * n_rep, span, span)
-    probs = (torch.cat([to_prompt, to_response], dim=-1) * d**-0.5 + bias).softmax(dim=-1)
+    probs = softmax_last(torch.cat([to_prompt, to_response], dim=-1) * d**-0.5 + bias)
     a = (torch.bmm(probs[..., :plen].reshape(u * hkv, g * n_rep * span, plen), vp).view(u * hkv * g, n_rep * span, d)
          + torch.bmm(probs[..., plen:].reshape(u * hkv * g, n_rep * span, span), v))
     a = a.view(u, hkv, g, n_rep, span, d).permute(0, 2, 4, 1, 3, 5).reshape(u * g * span, hq * d)[rows]

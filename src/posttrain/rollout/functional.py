@@ -13,7 +13,7 @@ What makes it lean:
   (a + ib) * e^{i theta p}.  Scores q.k are unchanged because q and k share the
   permutation (and the cache holds the permuted k, which only ever meets permuted q).
 * each RMSNorm gain (times sqrt(H)) is folded into the columns of the matmul that reads
-  the normed activations, leaving x / sqrt(||x||^2 + H eps): a norm, a ``hypot_`` and a
+  the normed activations, leaving x / sqrt(||x||^2 + H eps): a norm, a ``hypot`` and a
   divide.
 * residual adds are fused into the o_proj / down_proj matmuls (``addmm``); SiLU and the
   gating multiply run in place.
@@ -90,13 +90,15 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = None
+
+
 def _is_sharded(param: torch.Tensor) -> bool:
     """FSDP2 parameters are DTensors: reading them directly would see one shard."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(param, DTensor)
+    return DTensor is not None and isinstance(param, DTensor)
 
 
 def _pair_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -136,7 +138,8 @@ def _unit_rms(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """x / sqrt(||x||^2 + H eps) = rms_norm(x) / sqrt(H), statistics in float32; the gain
     and sqrt(H) live in the next matmul's weights (``_fold_norm_gain``).  Three kernels
     (hypot(n, c) = sqrt(n^2 + c^2)); F.rms_norm runs ~8 on CPU."""
-    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).hypot_(floor)
+    # out of place: the training forward (models/grouped_forward.py) runs this under autograd
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).hypot(floor)
     if x.dtype == torch.float32:
         return x / norm
     return (x.float() / norm).to(x.dtype)
@@ -249,6 +252,35 @@ def prompt_group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> in
     return lengths.pop() if len(lengths) == 1 else 1
 
 
+# CPU softmax kernels vectorise the last dimension only from 16 elements on: below that they
+# take a scalar path, ~3-9x slower per call (512 x 12 scores: 59 us; padded to 16: 22 us).
+# Short rows (a decode step's first keys, a short prompt's) are padded with -inf, weight 0.
+SOFTMAX_MIN_WIDTH = 16
+
+
+def softmax_last(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension, padded to `SOFTMAX_MIN_WIDTH` columns on CPU."""
+    width = x.shape[-1]
+    if x.device.type != "cpu" or width >= SOFTMAX_MIN_WIDTH:
+        return x.softmax(dim=-1)
+    return F.pad(x, (0, SOFTMAX_MIN_WIDTH - width), value=float("-inf")).softmax(dim=-1)[..., :width]
+
+
+def rotation(w: FusedWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e^{i theta p} per (position, rotary pair) [..., D/2], from HF's own rotary module, so
+    every static RoPE variant (theta, llama3, yarn, attention scaling) matches.  HF's cos/sin
+    repeat their first half: one angle per ``rotate_half`` pair."""
+    cos, sin = w.rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
+    half = cos.shape[-1] // 2  # unsupported_reason checked that the halves repeat
+    real = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real))
+
+
+def final_logits(w: FusedWeights, h: torch.Tensor) -> torch.Tensor:
+    """The final norm and the LM head."""
+    return F.linear(_unit_rms(h, w.final_floor) * w.final_gain, w.lm_head, w.lm_head_bias)
+
+
 class FunctionalDecoder:
     """Prefill a left-padded prompt batch once, then decode one token per row per ``step``.
 
@@ -275,18 +307,10 @@ class FunctionalDecoder:
         self.step_index = 0
 
     def _rotation(self, positions: torch.Tensor) -> torch.Tensor:
-        """e^{i theta p} per (position, rotary pair) [..., D/2], from HF's own rotary
-        module, so every static RoPE variant (theta, llama3, yarn, attention scaling)
-        matches.  HF's cos/sin repeat their first half: one angle per ``rotate_half`` pair."""
-        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.w.rotary(dummy, positions)
-        half = cos.shape[-1] // 2  # unsupported_reason checked that the halves repeat
-        real = torch.float64 if self.dtype == torch.float64 else torch.float32
-        return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real))
+        return rotation(self.w, positions, self.dtype)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.w
-        return F.linear(_unit_rms(h, w.final_floor) * w.final_gain, w.lm_head, w.lm_head_bias)
+        return final_logits(self.w, h)
 
     # ------------------------------------------------------------------ prefill
 
@@ -339,7 +363,7 @@ class FunctionalDecoder:
             # repeat_kv): on short prompts ~10x cheaper on CPU than SDPA's flash kernel
             scores = torch.baddbmm(attn_bias, q.reshape(rows * hkv, -1, d), k.reshape(rows * hkv, plen, d).transpose(1, 2),
                                    alpha=self.scale)
-            a = torch.bmm(scores.softmax(dim=-1), v.reshape(rows * hkv, plen, d))
+            a = torch.bmm(softmax_last(scores), v.reshape(rows * hkv, plen, d))
             a = a.view(rows, hq, plen, d).transpose(1, 2).reshape(rows, plen, hq * d)
             h = h + F.linear(a, layer.w_o_t.t(), layer.b_o)
             gate, up = F.linear(_unit_rms(h, layer.floor2), layer.w_gate_up, layer.b_gate_up).chunk(2, -1)
@@ -387,7 +411,7 @@ class FunctionalDecoder:
             q = qk[:, :hq].reshape(batch * hkv, n_rep, d)
             keys = k_cache.view(batch * hkv, s, d)[:, :end]
             scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=self.scale)
-            a = torch.bmm(scores.softmax(dim=-1), v_cache.view(batch * hkv, s, d)[:, :end])
+            a = torch.bmm(softmax_last(scores), v_cache.view(batch * hkv, s, d)[:, :end])
             h = torch.addmm(h, a.view(batch, hq * d), layer.w_o_t)
             if layer.b_o is not None:
                 h += layer.b_o
