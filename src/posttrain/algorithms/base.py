@@ -170,15 +170,14 @@ class PosttrainModule(L.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
 
     # --- logging -------------------------------------------------------------------------------
-    def log_step_metrics(self, metrics: dict[str, float], shown=frozenset()) -> None:
+    def log_step_metrics(self, metrics: dict[str, float]) -> None:
         """One training batch's metrics, in one call: straight to the loggers (at the step
-        Lightning's own logging uses) and into `trainer.callback_metrics` (the run's summary
-        reads them). Lightning's `self.log` re-walks its record of a metric at every call,
-        which at ~30 metrics a step cost a few ms of an RL step on the tiny model. The `shown`
-        ones also go through `self.log`, for the progress bar."""
+        Lightning's own logging uses) and into `trainer.callback_metrics`, which the progress
+        bar (callbacks.PROGRESS_METRICS) and the run's summary read. Lightning's `self.log`
+        re-walks its record of a metric at every call: at ~30 metrics a step that was ~10 ms of
+        a 70 ms GRPO step on the tiny model (benchmarks/README.md)."""
         trainer = self.trainer
         trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
-        self.log_dict({k: v for k, v in metrics.items() if k in shown}, prog_bar=True, logger=False)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
             logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=step)

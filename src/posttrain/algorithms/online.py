@@ -311,7 +311,7 @@ class OnlineRLModule(PosttrainModule):
         metrics.update(self.curriculum.on_step_end(step + 1, metrics.get("rollout/prefilter_accuracy")))
         self.train_batches_seen += 1
         metrics["rollout/batch"] = float(self.train_batches_seen)
-        self.log_step_metrics(metrics, shown={"rollout/reward_mean", "rollout/accuracy"})
+        self.log_step_metrics(metrics)
 
     # --- 1. collect --------------------------------------------------------------------------
     def sampling_params(self) -> SamplingParams:

@@ -96,8 +96,9 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     needed = response_mask[:, 1:].bool().reshape(-1)              # [B * (T - 1)]
     rows = needed.nonzero().squeeze(1)
     hr = F.embedding(response_ids[:, :span].reshape(-1)[rows], w.embed, padding_idx=pad)  # [N, H]
-    response_pos = prompt_mask.long().sum(dim=1, keepdim=True) + torch.arange(span, device=device)
-    response_rot = rotation(w, response_pos, dtype)[:, None, :, None, :]  # [U, 1 (G), T-1, 1 (heads), D/2]
+    response_pos = prompt_mask.long().sum(dim=1, keepdim=True) + torch.arange(span, device=device)  # [U, T-1]
+    response_pos = response_pos.repeat_interleave(g, dim=0).reshape(-1)[rows]
+    response_rot = rotation(w, response_pos, dtype)[:, None, :]  # [N, 1 (heads), D/2]
 
     prompt_bias, response_bias = _attention_biases(prompt_mask, span, hkv, hq // hkv, dtype)
     for layer in w.layers:
@@ -128,8 +129,9 @@ def _attention_biases(prompt_mask: torch.Tensor, span: int, hkv: int, n_rep: int
 
 
 def _split_qkv(w: FusedWeights, out: torch.Tensor):
+    # one split (its backward is one cat), not three slices (each a zero-filled full-size gradient)
     nq, nk = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
-    return out[..., :nq], out[..., nq:nq + nk], out[..., nq + nk:]
+    return out.split((nq, nk, nk), dim=-1)
 
 
 def _mlp(layer, h: torch.Tensor) -> torch.Tensor:
@@ -153,24 +155,30 @@ def _prompt_block(w: FusedWeights, layer, hp, rotation, bias):
 
 def _response_block(w: FusedWeights, layer, hr, rows, shape, kp, vp, rotation, bias):
     """One decoder layer over the packed response tokens hr [N, H] (`rows` of the [B * (T-1)]
-    layout). Attention runs on that padded layout, queries as [U, kv_heads, G, n_rep, T-1]:
-    against the group's prompt keys in one batch per (prompt, kv head), against each
-    response's own keys in one batch per (prompt, kv head, response), one softmax over both."""
+    layout, `rotation` [N, 1, D/2] their RoPE). Attention runs on that padded layout, queries
+    as [U, kv_heads, G, n_rep, T-1]: against the group's prompt keys in one batch per (prompt,
+    kv head), against each response's own keys in one batch per (prompt, kv head, response),
+    one softmax over both."""
     u, g, span = shape
     hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     n_rep, plen = hq // hkv, kp.shape[1]
-    out = F.linear(_unit_rms(hr, layer.floor1), layer.w_qkv, layer.b_qkv)
-    out = out.new_zeros(u * g * span, out.shape[-1]).index_copy(0, rows, out).view(u, g, span, -1)
-    q, k, v = _split_qkv(w, out)
-    q = _rotate(q.unflatten(-1, (hkv, n_rep, d)), rotation[..., None, :])         # [U, G, T-1, Hkv, n_rep, D]
-    k = _rotate(k.unflatten(-1, (hkv, d)), rotation)                               # [U, G, T-1, Hkv, D]
-    q = q.permute(0, 3, 1, 4, 2, 5).reshape(u * hkv, g * n_rep * span, d)
-    k = k.permute(0, 3, 1, 2, 4).reshape(u * hkv * g, span, d)
-    v = v.unflatten(-1, (hkv, d)).permute(0, 3, 1, 2, 4).reshape(u * hkv * g, span, d)
+    q, k, v = _split_qkv(w, F.linear(_unit_rms(hr, layer.floor1), layer.w_qkv, layer.b_qkv))
+    q = _padded(_rotate(q.unflatten(-1, (hq, d)), rotation), rows, u * g * span)
+    k = _padded(_rotate(k.unflatten(-1, (hkv, d)), rotation), rows, u * g * span)
+    v = _padded(v, rows, u * g * span)
+    q = q.view(u, g, span, hkv, n_rep, d).permute(0, 3, 1, 4, 2, 5).reshape(u * hkv, g * n_rep * span, d)
+    k = k.view(u, g, span, hkv, d).permute(0, 3, 1, 2, 4).reshape(u * hkv * g, span, d)
+    v = v.view(u, g, span, hkv, d).permute(0, 3, 1, 2, 4).reshape(u * hkv * g, span, d)
     to_prompt = torch.bmm(q, kp.transpose(1, 2)).view(u, hkv * g * n_rep, span, plen)
     to_response = torch.bmm(q.reshape(u * hkv * g, n_rep * span, d), k.transpose(1, 2)).view(u, hkv * g * n_rep, span, span)
     probs = softmax_last(torch.cat([to_prompt, to_response], dim=-1) * d**-0.5 + bias)
     a = (torch.bmm(probs[..., :plen].reshape(u * hkv, g * n_rep * span, plen), vp).view(u * hkv * g, n_rep * span, d)
          + torch.bmm(probs[..., plen:].reshape(u * hkv * g, n_rep * span, span), v))
-    a = a.view(u, hkv, g, n_rep, span, d).permute(0, 2, 4, 1, 3, 5).reshape(u * g * span, hq * d)[rows]
+    a = a.view(u, hkv, g, n_rep, span, d).permute(0, 2, 4, 1, 3, 5).reshape(u * g * span, hq * d).index_select(0, rows)
     return _mlp(layer, hr + F.linear(a, layer.w_o_t.t(), layer.b_o))
+
+
+def _padded(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+    """Packed rows x [N, ...] placed at `rows` of a zero [total, prod(...)] layout."""
+    x = x.flatten(1)
+    return x.new_zeros(total, x.shape[1]).index_copy(0, rows, x)
