@@ -86,6 +86,23 @@ def sft_start(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def embedded_hf_model(tmp_path_factory) -> Path:
+    """`model=tiny` (random init) saved as an HF directory, with its tokenizer."""
+    from omegaconf import OmegaConf
+
+    from posttrain.data.sources import ArithmeticSource
+    from posttrain.models.loading import load_tokenizer_and_model
+    from posttrain.train import CONFIG_DIR
+
+    directory = tmp_path_factory.mktemp("embedded_hf_model")
+    tokenizer, model = load_tokenizer_and_model(OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny.yaml"),
+                                                ArithmeticSource().alphabet)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_model(tmp_path_factory):
     """``tiny_hf_model(family)``: the directory of a tiny model in the real on-disk format of
     ``family`` (qwen2, qwen3, llama, qwen2_base; see tests/hf_models.py), built once a session."""

@@ -28,23 +28,6 @@ def vs_trl():
     return module
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """`model=tiny` (random init) saved as an HF directory: quicker than the cached warm start."""
-    from omegaconf import OmegaConf
-
-    from posttrain.data.sources import ArithmeticSource
-    from posttrain.models.loading import load_tokenizer_and_model
-    from posttrain.train import CONFIG_DIR
-
-    directory = tmp_path_factory.mktemp("vs_trl_model")
-    tokenizer, model = load_tokenizer_and_model(OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny.yaml"),
-                                                ArithmeticSource().alphabet)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 def run_worker(framework: str, kl: str, model_dir: Path, json_path: Path) -> dict:
     command = [sys.executable, str(BENCHMARK), "step", "--worker", framework, "--kl", kl, "--model", str(model_dir),
                "--steps", "3", "--warmup", "1", "--threads", "1", "--json", str(json_path)]
@@ -76,16 +59,16 @@ def check_worker_result(vs_trl, result: dict, framework: str, kl: str) -> None:
 
 
 @pytest.mark.parametrize("kl", ["k3", "none"])
-def test_posttrain_worker_reports_steps_split_and_memory(vs_trl, tiny_model_dir, tmp_path, kl):
-    result = run_worker("posttrain", kl, tiny_model_dir, tmp_path / "result.json")
+def test_posttrain_worker_reports_steps_split_and_memory(vs_trl, embedded_hf_model, tmp_path, kl):
+    result = run_worker("posttrain", kl, embedded_hf_model, tmp_path / "result.json")
     check_worker_result(vs_trl, result, "posttrain", kl)
     assert result["memory"]["frozen_requires_grad"] == 0  # posttrain freezes its reference
 
 
 @pytest.mark.parametrize("kl", ["k3", "none"])
-def test_trl_worker_reports_steps_split_and_memory(vs_trl, tiny_model_dir, tmp_path, kl):
+def test_trl_worker_reports_steps_split_and_memory(vs_trl, embedded_hf_model, tmp_path, kl):
     pytest.importorskip("trl")
-    result = run_worker("trl", kl, tiny_model_dir, tmp_path / "result.json")
+    result = run_worker("trl", kl, embedded_hf_model, tmp_path / "result.json")
     check_worker_result(vs_trl, result, "trl", kl)
     if kl == "none":  # on-policy without a reference: TRL runs no forward without gradient
         assert result["split_s"]["logprobs"] == [0.0, 0.0, 0.0]
