@@ -85,6 +85,17 @@ def sft_start(tmp_path_factory) -> Path:
     return out / "hf_model"
 
 
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (the folder is scripts, not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def embedded_hf_model(tmp_path_factory) -> Path:
     """`model=tiny` (random init) saved as an HF directory, with its tokenizer."""

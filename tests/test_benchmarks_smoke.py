@@ -5,21 +5,15 @@ Behaviour only: speed is measured by the benchmark itself, never asserted in tes
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout_speed.py"
 
 
 @pytest.fixture(scope="module")
 def rollout_speed():
-    # benchmarks/ is a folder of scripts, not a package: load the file by path
-    spec = importlib.util.spec_from_file_location("rollout_speed", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("rollout_speed")
 
 
 def test_measure_reports_every_row_with_consistent_token_counts(rollout_speed):

@@ -121,18 +121,21 @@ def _left_padded(vocab, pads, plen, seed=0, pad_id=0):
 
 @pytest.mark.parametrize("arch", ["qwen", "llama", "llama_yarn"])
 @pytest.mark.parametrize("pads", [(0, 3, 1, 5, 2), (0, 0, 0)])
-def test_functional_logits_match_hf_forward(arch, pads, request):
+@pytest.mark.parametrize("group", [1, 3])
+def test_functional_logits_match_hf_forward(arch, pads, group, request):
+    """Prefill (every prompt position) and decode equal the HF forward; with runs of `group`
+    identical prompts the prefill runs once per prompt and is copied to the run's rows."""
     model = request.getfixturevalue(arch)
     assert unsupported_reason(model) is None
     plen, steps = 7, 6
     vocab = model.config.vocab_size
-    prompt, prompt_mask = _left_padded(vocab, pads, plen)
-    cont = torch.randint(3, vocab, (len(pads), steps), generator=torch.Generator().manual_seed(1))
+    prompt, prompt_mask = (x.repeat_interleave(group, dim=0) for x in _left_padded(vocab, pads, plen))
+    cont = torch.randint(3, vocab, (len(prompt), steps), generator=torch.Generator().manual_seed(1))
     ids = torch.cat([prompt, cont], dim=1)
     mask = torch.cat([prompt_mask, torch.ones_like(cont)], dim=1)
     with torch.inference_mode():
         ref = model(ids, attention_mask=mask).logits
-        decoder = FunctionalDecoder(model, len(pads), plen + steps)
+        decoder = FunctionalDecoder(model, len(prompt), plen + steps)
         prefill = decoder.prefill(prompt, prompt_mask, all_logits=True)
         decoded = [decoder.step(cont[:, t]) for t in range(steps - 1)]
     real = prompt_mask.bool()

@@ -7,7 +7,6 @@ OnlineRLModule's methods for timing, which must not leak into other tests).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -15,17 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_trl.py"
 
 
 @pytest.fixture(scope="module")
 def vs_trl():
-    # benchmarks/ is a folder of scripts, not a package: load the file by path
-    spec = importlib.util.spec_from_file_location("vs_trl", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("vs_trl")
 
 
 def run_worker(framework: str, kl: str, model_dir: Path, json_path: Path) -> dict:

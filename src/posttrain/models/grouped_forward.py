@@ -82,7 +82,7 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     batch, width = response_ids.shape
     g, u = group_size, batch // group_size
     prompt_ids, prompt_mask = prompt_ids[::g], prompt_mask[::g].bool()  # [U, P]
-    hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
+    hq, hkv = w.num_heads, w.num_kv_heads
     dtype, device = w.embed.dtype, w.embed.device
 
     # positions count real tokens only (left padding shifts nothing), as the samplers do
