@@ -21,6 +21,7 @@ from test_distributed import free_port
 
 WORLD = 2
 STEPS = 3
+LR = 3.0e-3
 PAIRS_PER_RANK = 2
 TRAIN_PAIRS, VALIDATION_PAIRS = 24, 5  # an odd held-out count: the ranks' shares differ
 SMALL_MODEL = ("model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
@@ -46,7 +47,7 @@ def preference_config(out_dir, pairs_file, algorithm, pairs_per_process, *overri
                           f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={STEPS}",
                           f"callbacks.checkpoint.every_n_train_steps={STEPS}", "eval.num_prompts=8",
                           "eval.batch_size=8", "eval.at_start=false", "num_threads=1",
-                          "algorithm.optim.lr=3.0e-3", "algorithm.optim.warmup_steps=0", f"paths.cache_dir={out_dir}/cache",
+                          f"algorithm.optim.lr={LR}", "algorithm.optim.warmup_steps=0", f"paths.cache_dir={out_dir}/cache",
                           *overrides], out_dir)
     OmegaConf.resolve(cfg)
     return cfg
@@ -160,6 +161,12 @@ def check_same_weights(ranks, single):
     expected = single["module"].policy.state_dict()
     for name, value in ranks[0]["weights"].items():
         torch.testing.assert_close(ranks[1]["weights"][name], value, rtol=0, atol=0, msg=name)
+        if name.endswith("k_proj.bias"):
+            # its exact gradient is 0 (a key bias adds the same q.b to every score of a query, and
+            # softmax ignores that), so AdamW normalises rounding noise into steps of up to lr:
+            # the two runs' noise differs, only its bound is comparable
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=STEPS * LR, msg=name)
+            continue
         torch.testing.assert_close(value, expected[name], rtol=0, atol=5e-5, msg=name)  # AdamW: tiny gradients round apart
     moved = max(float((ranks[0]["weights"][k] - v).abs().max()) for k, v in ranks[0]["start_weights"].items())
     assert moved > 1e-3  # the steps changed the weights, by far more than the tolerance

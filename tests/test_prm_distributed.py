@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import FAST_RUN, compose_config
 from test_distributed import free_port
-from test_preference_distributed import (DDP, PAIRS_PER_RANK, SMALL_MODEL, STEPS, WORLD, run_as_rank,
+from test_preference_distributed import (DDP, LR, PAIRS_PER_RANK, SMALL_MODEL, STEPS, WORLD, run_as_rank,
                                          check_disjoint_halves_of_the_global_batches, check_only_rank_0_wrote,
                                          check_same_weights)
 
@@ -47,7 +47,7 @@ def prm_config(out_dir, start, rows_per_process, *overrides):
                           f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={STEPS}",
                           f"callbacks.checkpoint.every_n_train_steps={STEPS}", "eval.num_prompts=8",
                           "eval.batch_size=2",  # held-out batches: 2 on rank 0 (3 rows), 1 on rank 1 (2 rows)
-                          "eval.at_start=false", "num_threads=1", "algorithm.optim.lr=3.0e-3",
+                          "eval.at_start=false", "num_threads=1", f"algorithm.optim.lr={LR}",
                           "algorithm.optim.warmup_steps=0", f"paths.cache_dir={out_dir}/cache", *overrides], out_dir)
     OmegaConf.resolve(cfg)
     return cfg
