@@ -12,15 +12,15 @@ It is the lean functional decoder of `rollout/functional.py` (fused q/k/v and ga
 matmuls, folded norm gains, RoPE as one complex multiply, explicit attention), written
 out of place so autograd can run through it. The fused weights are rebuilt from the
 parameters at each call (a differentiable `cat`): an extra copy of the projections for the
-forward's lifetime, no copy of the optimiser's view of them.
+forward's lifetime (kept for the backward when grad is on).
 
 Attention for a response query runs over its prompt's keys (shared by the group) and its
 own response's keys (causal); both score blocks are laid out so that one softmax covers
 them without copying a prompt's keys into each row:
 
-    queries  [U, kv_heads, G, n_rep, T, D]      (U prompts, G responses each, T tokens)
-    vs prompt keys    [U, kv_heads, P, D]        -> scores [U*kv, G*n_rep*T, P]
-    vs response keys  [U, kv_heads, G, T, D]     -> scores [U*kv*G, n_rep*T, T]
+    queries  [U, kv_heads, G, n_rep, T', D]     (U prompts, G responses each, T' = T - 1 positions)
+    vs prompt keys    [U, kv_heads, P, D]        -> scores [U*kv, G*n_rep*T', P]
+    vs response keys  [U, kv_heads, G, T', D]    -> scores [U*kv*G, n_rep*T', T']
 
 `group_size=1` is the plain forward of every row (nothing is shared).
 """
