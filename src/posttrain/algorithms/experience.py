@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from posttrain.models.grouped_forward import grouped_forward_unsupported_reason, grouped_logits
-from posttrain.rollout.functional import prompt_group_size
+from posttrain.rollout.functional import prompt_group_size, real_token_positions
 
 
 @dataclass
@@ -114,5 +114,5 @@ def sequence_hidden_states(model, prompt_ids, prompt_mask, response_ids, respons
 def _inputs(prompt_ids, prompt_mask, response_ids, response_mask):
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    position_ids = real_token_positions(attention_mask)
     return input_ids, attention_mask, position_ids

@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.rollout.functional import (FusedWeights, _unit_rms, final_logits, rotation, softmax_last,
-                                         unsupported_reason, without_adapter_wrapper)
+from posttrain.rollout.functional import (FusedWeights, _unit_rms, additive_mask, final_logits, prompt_attention_bias,
+                                         real_token_positions, rotation, softmax_last, unsupported_reason,
+                                         without_adapter_wrapper)
 
 
 def grouped_forward_unsupported_reason(model: nn.Module) -> Optional[str]:
@@ -61,10 +62,6 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
-
 def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                    response_ids: torch.Tensor, response_mask: torch.Tensor, group_size: int) -> torch.Tensor:
     """Logits predicting each response token, [B, T, V], as `experience.sequence_logits`.
@@ -86,8 +83,7 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     dtype, device = w.embed.dtype, w.embed.device
 
     # positions count real tokens only (left padding shifts nothing), as the samplers do
-    prompt_pos = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    prompt_rot = rotation(w, prompt_pos, dtype)[:, :, None, :]  # [U, P, 1 (heads), D/2]
+    prompt_rot = rotation(w, real_token_positions(prompt_mask), dtype)[:, :, None, :]  # [U, P, 1 (heads), D/2]
     hp = F.embedding(prompt_ids, w.embed, padding_idx=pad)       # [U, P, H]
 
     # the response stream: position t predicts token t + 1, so only positions t < T - 1 whose
@@ -114,18 +110,14 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
 
 
 def _attention_biases(prompt_mask: torch.Tensor, span: int, hkv: int, n_rep: int, dtype):
-    """Additive masks. A prompt query sees the earlier real keys of its prompt (a pad query sees
-    itself, so no row is empty), laid out [U * kv_heads, n_rep * P, P]. A response query sees
-    its prompt's real keys and its response up to itself: [U, 1, T-1, P + T-1]."""
+    """Additive masks. A prompt query sees the earlier real keys of its prompt
+    (`rollout.functional.prompt_attention_bias`, [U * kv_heads, n_rep * P, P]). A response
+    query sees its prompt's real keys and its response up to itself: [U, 1, T-1, P + T-1]."""
     u, plen = prompt_mask.shape
-    device = prompt_mask.device
-    causal_p = torch.ones(plen, plen, dtype=torch.bool, device=device).tril()
-    allowed_pp = (causal_p & prompt_mask[:, None, :]) | torch.eye(plen, dtype=torch.bool, device=device)
-    prompt_bias = _additive(allowed_pp, dtype)[:, None, None].expand(u, hkv, n_rep, plen, plen)
-    causal_r = torch.ones(span, span, dtype=torch.bool, device=device).tril()
+    causal_r = torch.ones(span, span, dtype=torch.bool, device=prompt_mask.device).tril()
     allowed_r = torch.cat([prompt_mask[:, None, None, :].expand(u, 1, span, plen),
                            causal_r.expand(u, 1, span, span)], dim=-1)
-    return prompt_bias.reshape(u * hkv, n_rep * plen, plen), _additive(allowed_r, dtype)
+    return prompt_attention_bias(prompt_mask, hkv, n_rep, dtype), additive_mask(allowed_r, dtype)
 
 
 def _split_qkv(w: FusedWeights, out: torch.Tensor):

@@ -34,7 +34,7 @@ from .base import (
     finalize_rollout,
     sample_next_token,
 )
-from .functional import FunctionalDecoder, unsupported_reason, without_adapter_wrapper
+from .functional import FunctionalDecoder, real_token_positions, unsupported_reason, without_adapter_wrapper
 from .repetition import RepetitionDetector
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class _HFStepper:
 
     def prefill(self) -> torch.Tensor:
         mask = self.attention_mask[:, : self.length]
-        positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        positions = real_token_positions(mask)
         out = self.model(input_ids=self.prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
         self.past = out.past_key_values
         return out.logits[:, -1]

@@ -252,6 +252,29 @@ def prompt_group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> in
     return lengths.pop() if len(lengths) == 1 else 1
 
 
+def real_token_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens only ([B, L] mask of a left-padded batch): left
+    padding shifts no prompt, as in HF ``generate``. Pads get 0."""
+    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere: added to attention scores before the softmax."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def prompt_attention_bias(prompt_mask: torch.Tensor, num_kv_heads: int, n_rep: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of causal attention within left-padded prompts, in the layout of the
+    grouped attention (the query heads of a kv head stacked as its queries, no repeat_kv):
+    [rows * kv_heads, n_rep * P, P]. A pad query row would see no key at all (NaN): it sees itself."""
+    rows, plen = prompt_mask.shape
+    device = prompt_mask.device
+    allowed = torch.ones(plen, plen, dtype=torch.bool, device=device).tril() & prompt_mask.bool()[:, None, :]
+    allowed |= torch.eye(plen, dtype=torch.bool, device=device)
+    bias = additive_mask(allowed, dtype)[:, None, None].expand(rows, num_kv_heads, n_rep, plen, plen)
+    return bias.reshape(rows * num_kv_heads, n_rep * plen, plen)
+
+
 # CPU softmax kernels vectorise the last dimension only from 16 elements on: below that they
 # take a scalar path, ~3-9x slower per call (512 x 12 scores: 59 us; padded to 16: 22 us).
 # Short rows (a decode step's first keys, a short prompt's) are padded with -inf, weight 0.
@@ -333,16 +356,9 @@ class FunctionalDecoder:
         group = prompt_group_size(prompt_ids, prompt_mask)
         ids, rows_mask = prompt_ids[::group], prompt_mask[::group]  # one row per run
         rows = batch // group
-        mask = rows_mask.bool()
-        positions = (rows_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        rotation = self._rotation(positions)[:, :, None, :]  # [rows, P, 1 (heads), D/2]
+        rotation = self._rotation(real_token_positions(rows_mask))[:, :, None, :]  # [rows, P, 1 (heads), D/2]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        allowed = torch.ones(plen, plen, dtype=torch.bool, device=self.device).tril() & mask[:, None, :]
-        # a pad query row would see no key at all (NaN): let it see itself
-        allowed |= torch.eye(plen, dtype=torch.bool, device=self.device)
-        # additive mask in the layout of the grouped attention below: [rows * kv_heads, n_rep * P, P]
-        attn_bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
-        attn_bias = attn_bias[:, None, None].expand(rows, hkv, self.n_rep, plen, plen).reshape(rows * hkv, -1, plen)
+        attn_bias = prompt_attention_bias(rows_mask, hkv, self.n_rep, self.dtype)  # [rows * kv_heads, n_rep * P, P]
         nqk = (hq + hkv) * d
 
         def to_batch(x: torch.Tensor) -> torch.Tensor:
@@ -381,9 +397,7 @@ class FunctionalDecoder:
         # of the decode attention's baddbmm (generated columns are always visible)
         key_ok = torch.ones(batch, self.max_len, dtype=torch.bool, device=self.device)
         key_ok[:, :plen] = prompt_mask.bool()
-        additive = torch.zeros(batch, self.max_len, dtype=self.dtype, device=self.device)
-        additive = additive.masked_fill(~key_ok, float("-inf"))
-        self.decode_mask = additive.repeat_interleave(hkv, dim=0)[:, None, :].contiguous()
+        self.decode_mask = additive_mask(key_ok, self.dtype).repeat_interleave(hkv, dim=0)[:, None, :].contiguous()
 
         return to_batch(self._logits(h if all_logits else h[:, -1]))
 
