@@ -7,7 +7,7 @@ Columns: the Hydra choices and overrides that differ between runs (or those name
 --by), held-out greedy accuracy and response length at start and end, the change, the
 optimiser steps and the training seconds. `--markdown` prints a table to paste in a README.
 
-The reading and the columns are posttrain.report's (`posttrain-report <dir>` writes the
+The reading and the columns are posttrain.eval.report's (`posttrain-report <dir>` writes the
 same per-run table, plus mean ± std over seeds per choice and plots of the curves).
 """
 
@@ -17,7 +17,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from posttrain.report import HEADER, load_runs, markdown_table, rows, varying_keys
+from posttrain.eval.report import HEADER, load_runs, markdown_table, rows, varying_keys
 
 __all__ = ["load_runs", "varying_keys", "rows", "HEADER"]
 

@@ -106,7 +106,7 @@ def compose_run_config(overrides: list[str]):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from posttrain.train import CONFIG_DIR
+    from posttrain.conf import CONFIG_DIR
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
@@ -123,10 +123,11 @@ def base_overrides(output_dir: str) -> list[str]:
 
 def default_model_dir() -> str:
     """The HF directory of `experiment=grpo_tiny`'s SFT warm start (trained once, then cached)."""
-    from posttrain.warm_start import warm_start
+    from posttrain.prepare.warm_start import warm_start
+    from posttrain.train import run
 
     with tempfile.TemporaryDirectory() as scratch:
-        return warm_start(compose_run_config(base_overrides(scratch)))
+        return warm_start(compose_run_config(base_overrides(scratch)), train=run)
 
 
 def posttrain_overrides(args, output_dir: str, max_steps: int) -> list[str]:

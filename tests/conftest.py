@@ -12,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from posttrain.train import CONFIG_DIR
+from posttrain.conf import CONFIG_DIR
 
 torch.set_num_threads(int(os.environ.get("POSTTRAIN_TEST_THREADS", "2")))
 
@@ -103,7 +103,7 @@ def embedded_hf_model(tmp_path_factory) -> Path:
 
     from posttrain.data.sources import ArithmeticSource
     from posttrain.models.loading import load_tokenizer_and_model
-    from posttrain.train import CONFIG_DIR
+    from posttrain.conf import CONFIG_DIR
 
     directory = tmp_path_factory.mktemp("embedded_hf_model")
     tokenizer, model = load_tokenizer_and_model(OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny.yaml"),

@@ -84,7 +84,7 @@ def as_process(arguments: list[str]) -> list[str]:
     if arguments[0] == "posttrain":
         return [sys.executable, "-m", "posttrain.train", *arguments[1:]]
     if arguments[0] == "posttrain-eval":
-        return [sys.executable, "-m", "posttrain.evaluate", *arguments[1:]]
+        return [sys.executable, "-m", "posttrain.eval.evaluate", *arguments[1:]]
     if arguments[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *arguments[1:]]
     if arguments[0] == "python":  # a script of the repository, by its path from the repository root

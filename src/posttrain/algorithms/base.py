@@ -13,8 +13,11 @@ import lightning as L
 import torch
 
 from posttrain.core import pass_at_k
-from posttrain.distributed import all_reduce_sum, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
+from posttrain.distributed.sharding import GatheringEngine, is_sharded, shard_module
 from posttrain.errors import ConfigError
+from posttrain.models.loading import stop_token_ids
+from posttrain.rewards.reward_model import learned_scorers
 from posttrain.rollout import SamplingParams, build_rollout, engine_options
 
 
@@ -24,42 +27,6 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Response texts without padding and special tokens (EOS)."""
-    rows = [ids[mask.bool()].tolist() for ids, mask in zip(response_ids, response_mask)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=True)
-
-
-def rollout_samples(tokenizer, batch, examples, groups, step_rule=None) -> tuple[list, list[list[int]] | None]:
-    """Each response of a rollout batch as a reward sample (`examples`, `groups`: one per row);
-    with a step rule (data/steps.py) also split into steps. Returns (the samples, each row's step
-    ends, the index of each step's last token, or None without a rule). Online RL's rewards and
-    best-of-N's judges see responses through here."""
-    from posttrain.data.steps import split_response
-    from posttrain.rewards import ScoredSample
-
-    texts = decode_responses(tokenizer, batch.response_ids, batch.response_mask)
-    samples = [ScoredSample(example, text, int(length), bool(cut), group, repeated=bool(looped))
-               for example, text, length, cut, group, looped in zip(examples, texts, batch.response_lengths().tolist(),
-                                                                    batch.truncated, groups, batch.repeated)]
-    if step_rule is None:
-        return samples, None
-    step_ends = []
-    for sample, ids, mask in zip(samples, batch.response_ids, batch.response_mask):
-        steps = split_response(step_rule, tokenizer, ids[mask.bool()].tolist())
-        sample.steps = steps.texts
-        step_ends.append(steps.ends)
-    return samples, step_ends
-
-
-def held_out_samples(examples, texts, lengths, truncated) -> list:
-    """Held-out responses as reward samples, each its own group (no group to compare with)."""
-    from posttrain.rewards import ScoredSample
-
-    return [ScoredSample(example, text, int(length), bool(cut), group)
-            for group, (example, text, length, cut) in enumerate(zip(examples, texts, lengths, truncated))]
 
 
 @dataclass
@@ -101,14 +68,6 @@ def count_correct_samples(module: "PosttrainModule", batch: dict, params: Sampli
     return torch.cat(counts)
 
 
-def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
-    """One JSON object a line, written whole or not at all (a temporary file, then renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    os.replace(partial, path)
-
-
 class PosttrainModule(L.LightningModule):
     """Base of all algorithms. Subclasses write `training_step` and call `self.evaluate`."""
 
@@ -131,10 +90,8 @@ class PosttrainModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Where a parallel strategy shards the model: under trainer=fsdp the strategy carries a
-        sharding policy (posttrain.sharding) applied to every role here, and generation then
+        sharding policy (posttrain.distributed.sharding) applied to every role here, and generation then
         gathers the policy's full weights once per call; plain data parallelism needs nothing."""
-        from posttrain.sharding import GatheringEngine, is_sharded, shard_module
-
         shard_module(self)
         if is_sharded(self.policy) and not isinstance(self.engine, GatheringEngine):
             self.engine = GatheringEngine(self.engine)
@@ -206,8 +163,6 @@ class PosttrainModule(L.LightningModule):
 
     # --- generation and held-out evaluation ---------------------------------------------------
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams, generator=None):
-        from posttrain.models.loading import stop_token_ids
-
         return self.engine.generate(
             self.policy, prompt_ids, prompt_mask, params,
             # every EOS of the model (chat models have several), not only the tokenizer's
@@ -284,8 +239,6 @@ class PosttrainModule(L.LightningModule):
 
     def learned_scorers(self) -> list:
         """The training reward's learned components (a reward model), if it has any."""
-        from posttrain.rewards.reward_model import learned_scorers
-
         reward_fn = getattr(self, "reward_fn", None)
         return [] if reward_fn is None else learned_scorers(reward_fn)
 

@@ -56,21 +56,22 @@ import torch
 from omegaconf import OmegaConf
 
 from posttrain import core
-from posttrain.algorithms.base import PosttrainModule, rollout_samples
-from posttrain.algorithms.experience import Experience, sequence_hidden_states, sequence_logits
+from posttrain.algorithms.base import PosttrainModule
+from posttrain.algorithms.experience import Experience
+from posttrain.models.forward import sequence_hidden_states, sequence_logits
 from posttrain.algorithms.terms import DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
-from posttrain.checkpoints import this_ranks, with_every_rank
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
 from posttrain.data.steps import source_step_rule
-from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world, this_ranks, with_every_rank
 from posttrain.errors import ConfigError, RewardError
 from posttrain.models.lora import reference_is_the_base, reference_model
 from posttrain.models.roles import ValueModel, build_role
 from posttrain.rewards import build_reward
+from posttrain.rewards.samples import rollout_samples
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.repetition import repetition_rule
-from posttrain.sharding import full_state_dict, full_weights
+from posttrain.distributed.sharding import full_state_dict, full_weights
 
 # Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
 KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from posttrain import core
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.data.preference import collate_pairs
-from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.sharding import is_sharded
 from posttrain.errors import CheckpointError, ConfigError, DataError
 from posttrain.models.lora import has_adapter, reference_is_the_base, reference_model
-from posttrain.sharding import is_sharded
+from posttrain.models.roles import build_role
 
 # Splits whose pairs get reference log-probs: training, and held-out implicit-reward accuracy.
 CACHED_SPLITS = ("train", "validation")
@@ -119,8 +120,6 @@ class PreferenceModule(PosttrainModule):
     def reference(self):
         """The model whose forward gives log pi_ref: a LoRA policy's base (adapter off), the
         policy itself before its first update, or the role `roles.reference` describes."""
-        from posttrain.models.roles import build_role
-
         cfg = self.reference_cfg
         starts_as_policy = cfg is None or (cfg.get("init_from") == "policy" and not cfg.get("name_or_path")
                                            and not cfg.get("dtype"))

@@ -2,7 +2,7 @@
 
 The model is the policy's causal-LM body under a one-label linear head read at every token:
 Hugging Face's ``<Arch>ForTokenClassification`` with ``num_labels=1``, built from the starting
-policy (the SFT warm start) and trained whole. A row is laid out by `rewards.prm.prm_row` (the
+policy (the SFT warm start) and trained whole. A row is laid out by `data.process.prm_row` (the
 prompt, each step's tokens, EOS when the response ended), and step k's logit is read at its last
 token, so ``hf_model/`` scores through `posttrain reward=prm prm=learned prm.path=...` exactly
 as it trained. Loss: binary cross-entropy with logits at each step's end against the step's
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.reward_model import one_label_head_on
 from posttrain.data.process import LABEL_SOURCES, collate_step_rows
-from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.errors import ConfigError
 
 

@@ -20,8 +20,10 @@ from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.preference import pair_sums
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.data.preference import collate_pairs
-from posttrain.distributed import all_reduce_sum, average_gradients
+from posttrain.distributed.collectives import all_reduce_sum, average_gradients
 from posttrain.errors import ConfigError
+from posttrain.models.loading import disable_dropout
+from posttrain.models.lora import has_adapter
 
 
 def sequence_classifier(causal_lm, tokenizer):
@@ -36,9 +38,6 @@ def one_label_head_on(causal_lm, tokenizer, auto_class, algorithm: str):
     """A model of `auto_class` (a Hugging Face AutoModelFor...Classification) with one label,
     the pad token id set (the rows are right-padded; a sequence classifier finds each row's last
     token by it) and the body of ``causal_lm``, without dropout; `algorithm` trains it whole."""
-    from posttrain.models.loading import disable_dropout
-    from posttrain.models.lora import has_adapter
-
     if has_adapter(causal_lm):
         raise ConfigError(f"{algorithm} trains every weight of its backbone and a new head; set model.lora.r=null")
     config = copy.deepcopy(causal_lm.config)
@@ -65,6 +64,7 @@ def pair_rows(batch: dict, pad_token_id: int) -> tuple[torch.Tensor, torch.Tenso
 
 class RewardModelModule(PosttrainModule):
     train_collate = staticmethod(collate_pairs)
+    eval_collate = staticmethod(collate_pairs)
     eval_on_pairs = True  # the datamodule's held-out batches are validation pairs, not prompts
 
     def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, batch_size,

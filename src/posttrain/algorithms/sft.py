@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.data.datamodule import collate_sft
-from posttrain.distributed import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
 
 
 class SFTModule(PosttrainModule):

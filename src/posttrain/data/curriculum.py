@@ -31,9 +31,9 @@ import torch
 
 from posttrain.core.groups import informative_groups
 from posttrain.data.datamodule import ExampleCursor
-from posttrain.data.sources import Example
+from posttrain.data.examples import Example
 from posttrain.errors import ConfigError
-from posttrain.utils import write_json_atomic
+from posttrain.files import write_json_atomic
 
 EstimatePassRates = Callable[[list[Example]], list[float]]
 

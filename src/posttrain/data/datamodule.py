@@ -14,9 +14,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from posttrain.data.sources import Example, PromptLimits
+from posttrain.data.examples import Example, PromptLimits
 from posttrain.data.templates import render_chat
-from posttrain.distributed import rank_and_world
+from posttrain.distributed.collectives import rank_and_world
 from posttrain.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class PosttrainDataModule(L.LightningDataModule):
         # a preference source trains on its pairs; its held-out prompts are its task's
         self.trains_on_pairs = hasattr(source, "pairs")
         self.eval_on_pairs = eval_on_pairs  # held-out batches of validation pairs (reward model), not prompts
-        self.eval_collate = eval_collate  # how those held-out items are batched (None: collate_pairs)
+        self.eval_collate = eval_collate  # how those held-out items are batched (with eval_on_pairs: the module's own)
         prompts = source.task if self.trains_on_pairs else source
         size = prompts.size(eval_split)
         count = eval_num_prompts if size is None else min(size, eval_num_prompts)
@@ -285,14 +285,12 @@ class PosttrainDataModule(L.LightningDataModule):
         if self.eval_on_pairs:
             from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 
-            from posttrain.data.preference import collate_pairs  # (it imports this module)
-
             # each held-out pair counted once over the ranks: Lightning's own sampler would repeat
             # pairs to even out the ranks' shares (it keeps a loader that already has one)
             pairs = self.source.pairs(self.eval_split)
             rank, world = rank_and_world()
             sampler = UnrepeatedDistributedSampler(pairs, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
-            collate = self.eval_collate or collate_pairs  # (a PRM's held-out items are step rows)
+            collate = self.eval_collate  # pairs (reward model) or step rows (PRM): the module's own collate
             return DataLoader(pairs, batch_size=self.eval_batch_size, sampler=sampler,
                               collate_fn=lambda b: collate(b, self.tokenizer))
         return DataLoader(self.eval_examples, batch_size=self.eval_batch_size, shuffle=False,

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from posttrain.data.answers import AnswerChecker, extract_final_answer, last_boxed_content
-from posttrain.data.sources import Example, ListSource
+from posttrain.data.examples import Example, ListSource
 from posttrain.data.templates import PromptTemplate, check_messages, get_template, last_user_content
 from posttrain.errors import ConfigError, DataError
 

@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from posttrain.data.datamodule import collate_prompts, prompt_token_ids, right_padded
-from posttrain.data.sources import Example
+from posttrain.data.datamodule import collate_prompts, model_context, prompt_token_ids, right_padded
+from posttrain.data.examples import Example
+from posttrain.data.hub import load_splits
 from posttrain.data.templates import check_messages, last_user_content
 from posttrain.errors import ConfigError, DataError
 
@@ -40,10 +41,6 @@ log = logging.getLogger("posttrain")
 
 KINDS = ("on_policy", "perturbed", "dataset")
 SPLITS = ("train", "validation")
-# Prompts sampled together in one generation call when building embedded pairs.
-PROMPTS_PER_CALL = 128
-# Bump when the cached file's layout or the way pairs are made changes: old entries are then ignored.
-CACHE_VERSION = 1
 
 
 @dataclass
@@ -146,33 +143,11 @@ def share_summary(source: PreferenceSource) -> dict[str, float]:
     return summary
 
 
-def build_preference_source(cfg, task_source, tokenizer, policy) -> PreferenceSource:
-    """From `cfg.preference`: embedded pairs sampled from `policy` (the SFT warm start) where it
-    can, perturbed correct solutions otherwise; or a dataset. Embedded pairs are built once and
-    cached under paths.cache_dir keyed by what they depend on."""
-    settings = cfg.preference
-    if settings.source == "dataset":
-        source = PreferenceSource(task_source, read_pair_dataset(settings), f"preference.path={settings.path!r}")
-    elif settings.source == "embedded":
-        source = PreferenceSource(task_source, cached_embedded_pairs(cfg, task_source, tokenizer, policy),
-                                  "the embedded preference pairs")
-    else:
-        raise ConfigError(f"preference.source={settings.source!r} is not one of ['embedded', 'dataset']")
-    if tokenizer is not None:
-        check_pairs_fit(source, tokenizer)
-    for split in source.splits():
-        shares = ", ".join(f"{kind} {share:.1%}" for kind, share in source.shares(split).items() if share)
-        log.info(f"Preference pairs ({settings.source}): {source.size(split)} {split} pairs: {shares}")
-    return source
-
-
 def check_pairs_fit(source: PreferenceSource, tokenizer) -> None:
     """Every pair's rows (prompt + chosen / rejected + EOS, as collate_pairs lays them out) must fit
     the model's context, before training: past it the model has no positions (a crash, or
     silently extrapolated ones), and cutting either side would change what is preferred. A
     DataError names the first pair too long (its file and row for dataset pairs) and the count."""
-    from posttrain.data.datamodule import model_context
-
     context = model_context(tokenizer)
     if context is None:
         return
@@ -197,129 +172,6 @@ def check_pairs_fit(source: PreferenceSource, tokenizer) -> None:
 
 # --- embedded pairs ---------------------------------------------------------------------------
 
-def cached_embedded_pairs(cfg, task_source, tokenizer, policy) -> dict[str, list[PreferencePair]]:
-    """The embedded pairs from the cache, else built (and cached when preference.cache)."""
-    from posttrain.warm_start import job_rank_and_size
-
-    path = embedded_cache_path(cfg)
-    if cfg.preference.cache and path.is_file():
-        log.info(f"Preference pairs: read from the cache {path}")
-        return read_cached_pairs(path, task_source)
-    indexed = {split: embedded_pairs(split, count, task_source, tokenizer, policy, cfg)
-               for split, count in (("train", cfg.preference.num_train_pairs),
-                                    ("validation", cfg.preference.num_validation_pairs))}
-    if cfg.preference.cache and job_rank_and_size()[0] == 0:
-        # only rank 0 of a job writes (the others made the same pairs: the same seeds); the jobs
-        # of a sweep that build them at once write the same content: the last write wins
-        from posttrain.utils import write_json_atomic
-
-        write_json_atomic(path, {split: [cached_row(index, pair) for index, pair in rows]
-                                 for split, rows in indexed.items()})
-    return {split: [pair for _, pair in rows] for split, rows in indexed.items()}
-
-
-def embedded_cache_path(cfg) -> Path:
-    """paths.cache_dir/preference_pairs/<key>.json, the key a hash of what the pairs depend on:
-    the policy's starting weights (the warm start's directory is itself a content key), the
-    model and task settings, the pair settings and the sampler; never run paths."""
-    identity = {group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("model", "data", "preference")}
-    identity.update(rollout_engine=cfg.rollout.engine, version=CACHE_VERSION)
-    for key in ("cache", *DATASET_KEYS):
-        identity["preference"].pop(key, None)  # settings the embedded pairs do not read
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cfg.paths.cache_dir) / "preference_pairs" / f"{key}.json"
-
-
-def cached_row(index: int, pair: PreferencePair) -> dict:
-    """A pair as stored: its example as the task index it is rebuilt from on reading."""
-    row = {k: v for k, v in asdict(pair).items() if k != "example"}
-    row["index"] = index
-    return row
-
-
-def read_cached_pairs(path: Path, task_source) -> dict[str, list[PreferencePair]]:
-    stored = json.loads(path.read_text())
-    return {split: [PreferencePair(**{k: v for k, v in row.items() if k != "index"},
-                                   example=task_source.example(split, row["index"])) for row in rows]
-            for split, rows in stored.items()}
-
-
-def embedded_pairs(split: str, count: int, task_source, tokenizer, policy, cfg) -> list[tuple[int, PreferencePair]]:
-    """(task index, pair) for each of the first `count` prompts of the task's `split` that gives
-    one (see the module doc)."""
-    from posttrain.algorithms.base import decode_responses
-    from posttrain.models.loading import stop_token_ids
-    from posttrain.rollout import SamplingParams, build_rollout, engine_options
-
-    settings = cfg.preference
-    size = task_source.size(split)
-    if size is not None and size < count:
-        count = size  # a finite task: every prompt it has
-    engine = build_rollout(cfg.rollout.engine, **engine_options(cfg.rollout))
-    params = SamplingParams(max_new_tokens=cfg.data.max_response_tokens, temperature=settings.temperature)
-    n = settings.samples_per_prompt
-    generator = torch.Generator().manual_seed(settings.seed * len(SPLITS) + SPLITS.index(split))
-    rng = random.Random(f"{settings.seed}/{split}")  # the perturbed digits
-    pairs = []
-    was_training = policy.training
-    policy.eval()
-    for start in range(0, count, PROMPTS_PER_CALL):
-        examples = [task_source.example(split, i) for i in range(start, min(count, start + PROMPTS_PER_CALL))]
-        batch = collate_prompts(examples, tokenizer)
-        with torch.no_grad():
-            rollout = engine.generate(policy, batch["prompt_ids"].repeat_interleave(n, dim=0),
-                                      batch["prompt_mask"].repeat_interleave(n, dim=0), params,
-                                      eos_token_id=stop_token_ids(tokenizer, policy),
-                                      pad_token_id=tokenizer.pad_token_id, generator=generator)
-        texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask)
-        for offset, example in enumerate(examples):
-            pair = pair_for_prompt(example, texts[offset * n:(offset + 1) * n], task_source, rng)
-            if pair is not None:
-                pairs.append((start + offset, pair))
-    policy.train(was_training)
-    if len(pairs) < count:
-        log.warning(f"Preference pairs: {count - len(pairs)} of {count} {split} prompts gave no pair (no right and "
-                    f"wrong sample, and no digit in the reference answer to change)")
-    if not pairs:
-        raise DataError(f"no {split} preference pair could be made from the task (data.source={cfg.data.source}): "
-                        f"its reference answers have no digit to perturb and the policy's samples were all right "
-                        f"or all wrong; use preference.source=dataset")
-    return pairs
-
-
-def pair_for_prompt(example: Example, samples: list[str], task_source, rng: random.Random) -> PreferencePair | None:
-    """On-policy when the samples hold a right and a wrong response, else the reference against
-    a perturbed copy; None when neither can be made."""
-    verdicts = [task_source.is_correct(example, text) for text in samples]
-    if any(verdicts) and not all(verdicts):
-        chosen, rejected = samples[verdicts.index(True)], samples[verdicts.index(False)]
-        return PreferencePair(example.prompt, chosen, rejected, "on_policy", example.messages, example)
-    rejected = perturb_final_answer(example.response, rng, lambda text: not task_source.is_correct(example, text))
-    if rejected is None:
-        return None
-    return PreferencePair(example.prompt, example.response, rejected, "perturbed", example.messages, example)
-
-
-FINAL_NUMBER = re.compile(r"\d+(?!.*\d)", re.DOTALL)  # the last run of digits in a text
-
-
-def perturb_final_answer(response: str, rng: random.Random, is_wrong) -> str | None:
-    """`response` with one digit of its final number (the last run of digits) changed so that
-    `is_wrong` accepts it, or None if no single-digit change does. A leading digit never
-    becomes 0, so the result still reads as a number of the same length."""
-    match = FINAL_NUMBER.search(response)
-    if match is None:
-        return None
-    positions = list(range(match.start(), match.end()))
-    rng.shuffle(positions)
-    for position in positions:
-        leading = position == match.start() and match.end() - match.start() > 1
-        digits = [d for d in "0123456789" if d != response[position] and not (leading and d == "0")]
-        candidate = response[:position] + rng.choice(digits) + response[position + 1:]
-        if is_wrong(candidate):
-            return candidate
-    return None
-
 
 # --- dataset pairs -----------------------------------------------------------------------------
 
@@ -331,8 +183,6 @@ DATASET_KEYS = ("path", "config", "splits", "columns", "validation_size", "valid
 def read_pair_dataset(settings) -> dict[str, list[PreferencePair]]:
     """The pairs of `preference.path` by split; without a validation split (preference.splits.validation
     null), `validation_size` seeded-random training pairs are held out."""
-    from posttrain.data.hub import load_splits
-
     try:
         tables, name = load_splits(settings.path, settings.get("config"))
     except DataError as err:  # the loaders name data.* keys: here the table is preference.path

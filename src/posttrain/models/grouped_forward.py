@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.rollout.functional import (FusedWeights, _unit_rms, additive_mask, final_logits, prompt_attention_bias,
+from posttrain.models.functional import (FusedWeights, _unit_rms, additive_mask, final_logits, prompt_attention_bias,
                                          real_token_positions, rotation, softmax_last, unsupported_reason,
                                          without_adapter_wrapper)
 

@@ -8,9 +8,13 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from posttrain.distributed.sharding import (enable_activation_checkpointing, is_distributed_checkpoint,
+                                            policy_weights_from_distributed_checkpoint)
 from posttrain.errors import CheckpointError, ConfigError
+from posttrain.models.lora import ADAPTER_CONFIG, apply_lora, has_adapter, holds_adapter_weights
 from posttrain.models.tiny import build_char_tokenizer, build_tiny_model
 
 log = logging.getLogger(__name__)
@@ -67,7 +71,6 @@ def load_tokenizer_and_model(model_cfg, alphabet: str):
         ).to(dtype)
     else:
         tokenizer, model = load_pretrained(model_cfg.name_or_path, "model.name_or_path", dtype)
-    from posttrain.models.lora import apply_lora, holds_adapter_weights, load_adapter_weights
 
     init_from = model_cfg.get("init_from")
     adapter_weights = bool(init_from) and holds_adapter_weights(init_from)  # they load onto the adapter, below
@@ -79,7 +82,6 @@ def load_tokenizer_and_model(model_cfg, alphabet: str):
     # generation config (transformers, vLLM) all stop on the same ids.
     model.generation_config.eos_token_id = stop_token_ids(tokenizer, model)
     if model_cfg.get("gradient_checkpointing", False):  # .get: configs saved before the key existed
-        from posttrain.sharding import enable_activation_checkpointing
 
         enable_activation_checkpointing(model)  # non-reentrant; recomputes each decoder block in backward
     model = apply_lora(model, model_cfg)  # model.lora: an adapter on the loaded, dropout-free base
@@ -219,7 +221,6 @@ def load_initial_weights(model, init_from: str, key: str = "model.init_from") ->
     path = Path(init_from).expanduser()
     if not path.exists():
         raise CheckpointError(f"{key}={init_from!r}: no such file or directory")
-    from posttrain.sharding import is_distributed_checkpoint, policy_weights_from_distributed_checkpoint
 
     if is_distributed_checkpoint(path):  # a trainer=fsdp checkpoint: a directory of shards
         state = policy_weights_from_distributed_checkpoint(path, key)
@@ -279,3 +280,24 @@ def check_shapes(model, state: dict, key: str, init_from: str) -> None:
             f"{list(state[first].shape)} there but {list(own[first].shape)} in the model{more}; start from "
             f"weights of the same architecture and size (model.* settings such as hidden_size, num_layers, "
             f"and the tokenizer's vocabulary must match those the weights were trained with)")
+
+
+def load_adapter_weights(model: nn.Module, init_from: str, key: str = "model.init_from") -> None:
+    """A LoRA run's weights onto ``model`` (already wrapped by `apply_lora`): an adapter
+    export's adapter, or a checkpoint's whole policy (base and adapter)."""
+    if not has_adapter(model):
+        raise ConfigError(f"{key}={init_from!r} holds LoRA adapter weights, but model.lora.r is not set: set it "
+                          f"(and the other model.lora keys) to the values the adapter was trained with")
+    path = Path(init_from).expanduser()
+    if not path.is_dir():
+        load_initial_weights(model, str(path), key)  # the checkpoint's keys are the wrapped policy's
+        return
+    from peft import set_peft_model_state_dict  # start-up: PEFT loads only for a LoRA run
+
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{key}={init_from!r}: {weights.name} is missing beside {ADAPTER_CONFIG}")
+    result = set_peft_model_state_dict(model, load_file(str(weights)))
+    if result.unexpected_keys:
+        raise CheckpointError(f"{key}={init_from!r}: the adapter does not fit the model (model.lora.r, "
+                              f"target_modules): unexpected {result.unexpected_keys[:3]}")

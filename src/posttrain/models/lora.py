@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from posttrain.errors import ConfigError
+from posttrain.files import save_pretrained_atomic
 
 # Where a merged export keeps the adapter it was merged from (beside the full model's files).
 ADAPTER_SUBDIR = "adapter"
@@ -105,31 +106,6 @@ def adapter_base(directory: str) -> str | None:
     return json.loads((Path(directory) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
 
 
-def load_adapter_weights(model: nn.Module, init_from: str, key: str = "model.init_from") -> None:
-    """A LoRA run's weights onto ``model`` (already wrapped by `apply_lora`): an adapter
-    export's adapter, or a checkpoint's whole policy (base and adapter)."""
-    from posttrain.errors import CheckpointError
-    from posttrain.models.loading import load_initial_weights
-
-    if not has_adapter(model):
-        raise ConfigError(f"{key}={init_from!r} holds LoRA adapter weights, but model.lora.r is not set: set it "
-                          f"(and the other model.lora keys) to the values the adapter was trained with")
-    path = Path(init_from).expanduser()
-    if not path.is_dir():
-        load_initial_weights(model, str(path), key)  # the checkpoint's keys are the wrapped policy's
-        return
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = path / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"{key}={init_from!r}: {weights.name} is missing beside {ADAPTER_CONFIG}")
-    result = set_peft_model_state_dict(model, load_file(str(weights)))
-    if result.unexpected_keys:
-        raise CheckpointError(f"{key}={init_from!r}: the adapter does not fit the model (model.lora.r, "
-                              f"target_modules): unexpected {result.unexpected_keys[:3]}")
-
-
 def copy_without_adapter(model: nn.Module) -> nn.Module:
     """A copy of ``model``'s weights for another role: for a policy with an adapter, its base
     alone (every weight trainable again, as a plain copy's), else a plain deep copy."""
@@ -169,7 +145,6 @@ def export_model(model: nn.Module, tokenizer, directory: Path, model_cfg) -> Non
     the adapter and tokenizer (adapter_config.json, adapter_model.safetensors), or with
     `model.lora.export_merged` the merged full model and tokenizer, the adapter in
     ``directory``/adapter. Written whole or not at all."""
-    from posttrain.utils import save_pretrained_atomic
 
     if has_adapter(model) and model_cfg.lora.export_merged:
         save_pretrained_atomic(merged_copy(model), tokenizer, directory, subdirectories={ADAPTER_SUBDIR: model})

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posttrain.algorithms.experience import sequence_hidden_states
+from posttrain.models.forward import sequence_hidden_states
 from posttrain.errors import ConfigError
 from posttrain.models.loading import DTYPES, disable_dropout, load_initial_weights, load_pretrained
 from posttrain.models.lora import copy_without_adapter

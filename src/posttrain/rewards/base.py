@@ -8,7 +8,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from posttrain.data.sources import Example
+from posttrain.data.examples import Example
 
 
 @dataclass

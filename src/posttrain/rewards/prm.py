@@ -29,22 +29,15 @@ import torch
 
 from posttrain import core
 from posttrain.data.datamodule import prompt_text, right_padded
+from posttrain.data.steps import source_step_rule, split_text, step_token_row
 from posttrain.errors import ConfigError
+from posttrain.models.loading import first_line_of
 from posttrain.rewards.base import ScoredSample
 from posttrain.rewards.reward_model import one_label_model_config
-from posttrain.data.steps import source_step_rule, split_text, step_token_row
 
 KEY = "reward.components.prm"
 PRM_KINDS = ("oracle", "learned")
 ORACLE_SCORES = ("prefix", "step")
-
-
-def prm_row(tokenizer, sample_or_example, steps: Sequence[str], ended: bool) -> tuple[list[int], list[int]]:
-    """A learned PRM's input for one response: the prompt as text tokenised by the PRM's own
-    tokenizer, then the steps (see `step_token_row`). Training (algorithm=prm) and scoring share it."""
-    example = getattr(sample_or_example, "example", sample_or_example)
-    prompt = tokenizer(prompt_text(example, tokenizer), add_special_tokens=False)["input_ids"]
-    return step_token_row(tokenizer, prompt, steps, ended)
 
 
 @torch.no_grad()
@@ -171,8 +164,6 @@ def check_prm_dir(directory, key: str) -> None:
 def load_prm(directory: str, key: str):
     """(the frozen token-classification PRM in eval mode, its tokenizer)."""
     from transformers import AutoModelForTokenClassification, AutoTokenizer
-
-    from posttrain.models.loading import first_line_of
 
     check_prm_dir(directory, key)
     path = str(Path(directory).expanduser())

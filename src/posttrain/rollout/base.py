@@ -311,3 +311,9 @@ def fork_rng_from(generator: torch.Generator | None, device) -> contextlib.Abstr
             yield
 
     return seeded()
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Response texts without padding and special tokens (EOS)."""
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(response_ids, response_mask)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)

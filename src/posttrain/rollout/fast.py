@@ -34,7 +34,7 @@ from .base import (
     finalize_rollout,
     sample_next_token,
 )
-from .functional import FunctionalDecoder, real_token_positions, unsupported_reason, without_adapter_wrapper
+from posttrain.models.functional import FunctionalDecoder, real_token_positions, unsupported_reason, without_adapter_wrapper
 from .repetition import RepetitionDetector
 
 log = logging.getLogger(__name__)

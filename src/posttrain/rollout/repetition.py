@@ -15,7 +15,7 @@ cuts and flags the same rows at the same token.
 The defaults (conf/rollout: ngram 16, window 64) cannot fire before 64 tokens, so never on the
 embedded task at its budgets (a verbose solution would need more than ten identical columns),
 and need four or more back-to-back copies of a block of at most 16 tokens, which natural text
-does not have (tests/test_repetition.py).
+does not have (tests/rollout/test_repetition.py).
 """
 
 from __future__ import annotations

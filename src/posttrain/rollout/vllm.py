@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from posttrain.errors import ConfigError
+from posttrain.models.lora import has_adapter, merged_copy
 
 from .base import RolloutBatch, SamplingParams, check_prompts, eos_tensor, finalize_rollout
 from .repetition import RepetitionRule, first_repetition
@@ -102,8 +103,6 @@ def load_policy_weights(llm, weights: list[tuple[str, torch.Tensor]]) -> None:
 def plain_policy(model: nn.Module) -> nn.Module:
     """The policy as a plain Hugging Face model, the names vLLM loads: a LoRA policy
     (models/lora.py) merged into a copy, any other as it is."""
-    from posttrain.models.lora import has_adapter, merged_copy
-
     return merged_copy(model) if has_adapter(model) else model
 
 

@@ -1,0 +1,97 @@
+"""The few collective operations online RL needs under data parallelism, as no-ops in a single
+process. Gradients are averaged by hand (not by a DDP wrapper) because one rollout batch runs
+several backward passes and optimiser steps inside one `training_step`; under FSDP2
+(trainer=fsdp) the reduce-scatter of each backward has averaged them already."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over ranks (a new tensor; x itself in a single process)."""
+    if rank_and_world()[1] == 1:
+        return x
+    out = x.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def average_gradients(parameters) -> None:
+    """Average every gradient over ranks, in place (what DDP's reducer would do). Sharded
+    gradients (DTensors, FSDP2) are left alone: FSDP2 averaged them in its reduce-scatter,
+    and averaging again would divide by the world size twice."""
+    world = rank_and_world()[1]
+    if world == 1:
+        return
+    for p in parameters:
+        if p.grad is None:  # unused by the loss on every rank alike (the same graph everywhere)
+            continue
+        if is_dtensor(p.grad):
+            continue
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad.div_(world)
+
+
+def is_dtensor(x) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+# Environment variables that give a process its global rank and the job's number of processes:
+# torchrun (and Lightning's own launcher), a SLURM job's tasks, submitit's local executor.
+RANK_VARIABLES = (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"),
+                  ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_NTASKS"))
+
+
+def job_rank_and_size() -> tuple[int, int]:
+    """(global rank, number of processes) of this process's job, from its launcher's
+    environment; (0, 1) outside a multi-process job. Read before any process group exists."""
+    for rank_name, size_name in RANK_VARIABLES:
+        if rank_name in os.environ and size_name in os.environ:
+            return int(os.environ[rank_name]), int(os.environ[size_name])
+    return 0, 1
+
+
+def with_every_rank(checkpoint: dict, key: str, state) -> None:
+    """Store this rank's `state` under `key` (rank 0's: what a run on another number of ranks
+    resumes) and every rank's under `<key>_by_rank`. A collective: every rank must call it, as
+    every rank builds the checkpoint dict (Lightning's dump_checkpoint) before rank 0 writes it."""
+    world = rank_and_world()[1]
+    states = [state]
+    if world > 1:
+        import torch.distributed as dist
+
+        states = [None] * world
+        dist.all_gather_object(states, state)
+    checkpoint[key] = states[0]
+    checkpoint[f"{key}_by_rank"] = states
+
+
+def this_ranks(checkpoint: dict, key: str):
+    """This rank's state stored by `with_every_rank`; rank 0's when the checkpoint was written by
+    another number of ranks (the ranks' streams are interleaved by the world size: no exact
+    mapping exists) or before states were stored per rank."""
+    rank, world = rank_and_world()
+    by_rank = checkpoint.get(f"{key}_by_rank")
+    return by_rank[rank] if by_rank is not None and len(by_rank) == world else checkpoint[key]
+
+
+def device_count(devices) -> int | None:
+    """How many devices `trainer.devices` asks for on each node; None when Lightning decides."""
+    if is_int(devices) and devices >= 1:
+        return devices
+    if isinstance(devices, list):
+        return len(devices)
+    if isinstance(devices, str) and devices != "auto":
+        return len([part for part in devices.split(",") if part.strip()])
+    return None

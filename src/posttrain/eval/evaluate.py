@@ -1,0 +1,244 @@
+"""The `posttrain-eval` entry point: score a trained policy without training (conf/evaluate.yaml).
+
+    posttrain-eval checkpoint=outputs/sft/runs/<time>                    # a run: its hf_model/ (else last.ckpt)
+    posttrain-eval checkpoint=<run dir>/checkpoints/step000300.ckpt pass_k=[1,4,8] num_samples=8
+    posttrain-eval checkpoint=<Hugging Face model dir> eval.split=test eval.num_prompts=512
+    posttrain-eval checkpoint=<run dir> best_of_n.n=[1,4,16] best_of_n.prm=oracle
+
+Reports held-out greedy accuracy and mean response length through training's own
+validation code (so a run's final model reproduces the `eval/*` numbers of its
+summary.json), unbiased pass@k from `num_samples` sampled responses per prompt, and, with
+`best_of_n.n`, best-of-n accuracy by a PRM, an ORM, majority vote and the verifier
+(best_of_n.py). Writes eval.json in outputs/eval/runs/<time>/.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from posttrain.conf import CONFIG_DIR
+from posttrain.errors import ConfigError, DataError
+from posttrain.run.boundary import log, run_inside_boundary, silence_expected_warnings
+from posttrain.run.run_dir import find_weights, is_adapter_dir, load_from_adapter
+
+# What a run's config.yaml decides, so that the tokenizer, task, prompts and numerics are training's.
+RUN_SETTINGS = ("model", "data", "eval", "rollout", "trainer.accelerator", "trainer.precision")
+
+
+def command_line_keys() -> list[str]:
+    """The keys (or config groups) this job's command-line overrides set."""
+    # start-up: Hydra's internals load only inside a job
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return []
+    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    return [override.key_or_group for override in overrides]
+
+
+def take_run_settings(cfg: DictConfig, run_config: Path) -> None:
+    """Replace the composed RUN_SETTINGS by the run's own, then put back what the command
+    line set (the composed config holds those values: an override wins over the run)."""
+    run_cfg = OmegaConf.load(run_config)
+    composed = cfg.copy()
+    sections = {key.split(".")[0] for key in RUN_SETTINGS}
+    with open_dict(cfg):
+        for key in RUN_SETTINGS:
+            if OmegaConf.select(run_cfg, key) is not None:
+                OmegaConf.update(cfg, key, OmegaConf.select(run_cfg, key), merge=False)
+        for key in command_line_keys():
+            if key.split(".")[0] in sections:
+                OmegaConf.update(cfg, key, OmegaConf.select(composed, key), merge=False)
+
+
+def check_sampling(cfg: DictConfig) -> None:
+    """pass@k needs k <= num_samples sampled responses per prompt, at a temperature > 0."""
+    if not cfg.pass_k:
+        return
+    for k in cfg.pass_k:
+        if not isinstance(k, int) or k < 1:
+            raise ConfigError(f"pass_k={list(cfg.pass_k)}: every k must be an integer >= 1 (got {k!r})")
+        if k > cfg.num_samples:
+            raise ConfigError(f"pass_k={list(cfg.pass_k)} asks for pass@{k}, but num_samples={cfg.num_samples}: "
+                              f"pass@k is estimated from num_samples sampled responses per prompt, so it needs "
+                              f"num_samples >= k. Raise num_samples or drop k from pass_k")
+    if not cfg.temperature > 0:
+        raise ConfigError(f"temperature={cfg.temperature}: pass@k samples, so it needs a temperature > 0 "
+                          f"(the greedy accuracy is reported anyway; pass_k=[] skips sampling)")
+
+
+def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
+    """Training's held-out evaluation, inherited as it is (greedy accuracy and response length
+    through `validation_step`), plus `predict_step`: `num_samples` responses per prompt sampled
+    at `temperature`, counted correct per prompt by `count_correct_samples`, as training's
+    held-out pass@k does; or, once `judges` is set, judged for best-of-N (`sample_and_judge`).
+    (The class is made here so that argument errors come before torch and Lightning load.)"""
+    # start-up: torch and Lightning load only once the arguments are checked
+    import torch
+
+    from posttrain.algorithms.base import PosttrainModule, count_correct_samples
+    from posttrain.eval.best_of_n import sample_and_judge
+    from posttrain.rollout import SamplingParams
+
+    class EvalModule(PosttrainModule):
+        def __init__(self, sampling: SamplingParams, num_samples: int, seed: int):
+            super().__init__(policy, tokenizer, source, optim=None, rollout=cfg.rollout,
+                             eval_max_new_tokens=cfg.eval.max_new_tokens)
+            self.sampling, self.num_samples, self.seed = sampling, num_samples, seed
+            self.judges = None  # best_of_n.Judges: predict judges the samples instead of counting correct ones
+
+        def on_predict_start(self) -> None:
+            self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # the same draws every time
+
+        def predict_step(self, batch, batch_idx):
+            # the loader's batches are batch_size // num_samples prompts: one generate call each
+            if self.judges is not None:
+                return sample_and_judge(self, batch, self.sampling, self.num_samples, self.generator, self.judges)
+            return count_correct_samples(self, batch, self.sampling, self.num_samples, self.generator,
+                                         rows_per_call=cfg.eval.batch_size)
+
+    sampling = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    return EvalModule(sampling, num_samples=cfg.num_samples, seed=cfg.seed)
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    """Score the policy at `cfg.checkpoint`; returns the results also written to eval.json."""
+    # what to load, and from which settings, before anything heavy loads: mistakes fail fast
+    check_sampling(cfg)  # the command line's alone, whatever the run says
+    from posttrain.eval.best_of_n import check_best_of_n  # start-up: it loads torch; the cheap check comes first
+
+    best_of_n_sizes = check_best_of_n(cfg)
+    weights = find_weights(cfg.checkpoint)
+    if weights.run_dir is not None:
+        take_run_settings(cfg, weights.run_dir / "config.yaml")
+    with open_dict(cfg):
+        if weights.is_hf_dir and is_adapter_dir(weights.path):
+            load_from_adapter(cfg.model, weights.path)
+        elif weights.is_hf_dir:  # the export carries its own tokenizer and architecture
+            cfg.model.name_or_path, cfg.model.init_from = str(weights.path), None
+            if cfg.model.get("lora") is not None:
+                cfg.model.lora.r = None  # a merged export: no adapter on top
+        else:  # the run's architecture (and tokenizer), the checkpoint's policy weights
+            cfg.model.init_from = str(weights.path)
+    OmegaConf.resolve(cfg)
+    output_dir = Path(cfg.paths.output_dir)
+
+    # start-up: what the evaluation itself needs loads once the weights and settings are found
+    import logging
+    import time
+    import warnings
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers.utils import logging as transformers_logging
+
+    from posttrain.core import pass_at_k
+    from posttrain.data.datamodule import PosttrainDataModule, collate_prompts
+    from posttrain.data.sources import build_source
+    from posttrain.eval.best_of_n import Judged, best_of_n_accuracies, build_judges, check_source_for_prm
+    from posttrain.files import write_json_atomic
+    from posttrain.models.loading import load_tokenizer_and_model
+
+    silence_expected_warnings()
+    # one in-process evaluation: Lightning's hint about loader workers is noise here
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # the table is the output: no Lightning banners (accelerator, tips), no weight-loading bars
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    transformers_logging.disable_progress_bar()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+
+    source = build_source(cfg.data)
+    if best_of_n_sizes:
+        check_source_for_prm(cfg.best_of_n, source, cfg.data.source)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    module = build_eval_module(policy, tokenizer, source, cfg)
+    # the held-out prompts exactly as training builds them (no training stream: batch_size unused)
+    datamodule = PosttrainDataModule(source, tokenizer, batch_size=1, train_collate=None, eval_split=cfg.eval.split,
+                                     eval_num_prompts=cfg.eval.num_prompts, eval_batch_size=cfg.eval.batch_size)
+    if not datamodule.eval_examples:
+        raise DataError(f"eval.split={cfg.eval.split!r} has no examples to evaluate on")
+    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(output_dir))
+
+    greedy = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    results = {"eval/accuracy": float(greedy["eval/accuracy"]), "eval/response_len": float(greedy["eval/response_len"])}
+
+    def predict_sampled(num_samples: int) -> list:
+        """module.predict_step over the held-out prompts, `num_samples` responses each."""
+        module.num_samples = num_samples
+        prompts_per_batch = max(1, cfg.eval.batch_size // num_samples)  # rows per generate call ~ eval.batch_size
+        loader = DataLoader(datamodule.eval_examples, batch_size=prompts_per_batch, shuffle=False,
+                            collate_fn=lambda examples: collate_prompts(examples, tokenizer))
+        return trainer.predict(module, dataloaders=loader)
+
+    if cfg.pass_k:
+        num_correct = torch.cat(predict_sampled(cfg.num_samples))
+        for k in cfg.pass_k:
+            results[f"eval/pass@{k}"] = float(pass_at_k(cfg.num_samples, num_correct, k).mean())
+    if best_of_n_sizes:
+        started = time.perf_counter()
+        module.judges = build_judges(cfg.best_of_n, policy)
+        judged = Judged.join(predict_sampled(max(best_of_n_sizes)))
+        results.update(best_of_n_accuracies(judged, best_of_n_sizes, seed=cfg.seed))
+        results.update(best_of_n_samples=max(best_of_n_sizes), best_of_n_prm=cfg.best_of_n.prm,
+                       best_of_n_orm=cfg.best_of_n.orm, best_of_n_seconds=round(time.perf_counter() - started, 2))
+    results.update(
+        checkpoint=str(cfg.checkpoint), weights=str(weights.path),
+        run_dir=None if weights.run_dir is None else str(weights.run_dir),
+        split=cfg.eval.split, num_prompts=len(datamodule.eval_examples), greedy_max_new_tokens=cfg.eval.max_new_tokens,
+        num_samples=cfg.num_samples if cfg.pass_k else 0, temperature=cfg.temperature, seed=cfg.seed,
+        settings=OmegaConf.to_container(OmegaConf.masked_copy(cfg, ["model", "data", "eval", "rollout", "trainer"])),
+    )
+    write_json_atomic(output_dir / "eval.json", results)
+    print_results(results, list(cfg.pass_k or []), best_of_n_sizes)
+    log.info(f"wrote {output_dir / 'eval.json'}")
+    return results
+
+
+def print_results(results: dict, pass_k: list[int], best_of_n_sizes: list[int]) -> None:
+    from rich.table import Table  # start-up: only the results print tables
+
+    from posttrain.eval.best_of_n import best_of_n_table
+    from posttrain.run.console import render
+
+    log.info(f"evaluated {results['weights']}")
+    table = Table(title=f"{results['num_prompts']} held-out prompts ({results['split']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("accuracy (greedy)", f"{results['eval/accuracy']:.1%}")
+    table.add_row("response_len (greedy)", f"{results['eval/response_len']:.2f} tok")
+    for k in pass_k:
+        table.add_row(f"pass@{k} (n={results['num_samples']}, T={results['temperature']:g})",
+                      f"{results[f'eval/pass@{k}']:.1%}")
+    log.info(render(table))  # through the logger: also in eval.log
+    if best_of_n_sizes:
+        title = (f"best-of-n accuracy: {results['num_prompts']} prompts, {results['best_of_n_samples']} samples "
+                 f"each (T={results['temperature']:g})")
+        for name in ("prm", "orm"):
+            if results[f"best_of_n_{name}"] is not None:
+                title += f", {name}={results[f'best_of_n_{name}']}"
+        log.info(render(best_of_n_table(results, best_of_n_sizes, title), width=120))  # 8 columns: wider
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")
+def _hydra_entry(cfg: DictConfig) -> None:
+    run_inside_boundary("posttrain-eval", lambda: evaluate(cfg), Path(cfg.paths.output_dir), Path(cfg.paths.log_dir),
+                        log_name="eval.log")
+
+
+def main() -> None:
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""`posttrain-report`: a sweep's results as a markdown table and plots, offline.
+
+    posttrain -m algorithm=grpo,dapo seed=0,1,2
+    posttrain-report outputs/multiruns/<time>                   # -> <dir>/report/report.md, *.png
+    posttrain-report outputs/multiruns/<time> --by algorithm --smooth 10 --out /tmp/report
+
+Reads every job's summary.json (final and start metrics), .hydra/overrides.yaml (the sweep's
+axes) and logged history: `metrics.jsonl` (posttrain.run.history, written whatever the logger)
+or, for runs without it, `csv/metrics.csv` (logger=csv). W&B's own files are binary and are
+not read.
+
+A "choice" is one value of the sweep's axes other than the seed (or of the keys given with
+--by); the runs of a choice are its seeds. The table gives mean ± sample std over seeds (n
+shown; n = 1: the value alone); the plots draw one line per choice (the mean over seeds) with
+a band from the lowest to the highest seed, over rollout batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from posttrain.run.history import HISTORY_FILE, read_history
+
+# --- reading a sweep --------------------------------------------------------------------------
+
+
+def load_runs(root: Path) -> list[dict]:
+    """Every summary.json below `root` (the warm-start cache excluded), in job order, with
+    the run's command-line overrides (`overrides`: key -> value, `+`/`~` prefixes dropped)
+    and its directory (`path`) attached."""
+    paths = [p for p in Path(root).rglob("summary.json") if "warm_start" not in p.parts and "cache" not in p.parts]
+    runs = []
+    for summary_path in sorted(paths, key=_job_order):
+        summary = json.loads(summary_path.read_text())
+        overrides_path = summary_path.parent / ".hydra" / "overrides.yaml"
+        overrides = yaml.safe_load(overrides_path.read_text()) if overrides_path.is_file() else []
+        summary["overrides"] = dict(o.lstrip("+~").split("=", 1) for o in overrides or [] if "=" in o)
+        summary["path"] = summary_path.parent
+        runs.append(summary)
+    return runs
+
+
+def _job_order(summary_path: Path):
+    # Hydra names jobs `<n>_<task>`: 2_grpo before 10_grpo, which a plain sort would swap
+    match = re.match(r"(\d+)_", summary_path.parent.name)
+    return (str(summary_path.parent.parent), int(match.group(1)) if match else -1, summary_path.parent.name)
+
+
+def varying_keys(runs: list[dict]) -> list[str]:
+    """Override keys whose value differs between runs (the sweep's axes)."""
+    keys = sorted({k for run in runs for k in run["overrides"]})
+    return [k for k in keys if len({run["overrides"].get(k) for run in runs}) > 1]
+
+
+def choice_value(run: dict, key: str) -> str:
+    """A run's value of `key`: its override, else its Hydra group choice, else ''."""
+    return str(run["overrides"].get(key, run.get("choices", {}).get(key, "")))
+
+
+def load_history(run_dir: Path) -> dict[str, dict[int, float]]:
+    """{metric: {batch: value}} of one run: metrics.jsonl, else csv/metrics.csv, else {}."""
+    if (run_dir / HISTORY_FILE).is_file():
+        return read_history(run_dir / HISTORY_FILE)
+    if (run_dir / "csv" / "metrics.csv").is_file():
+        return read_csv_history(run_dir / "csv" / "metrics.csv")
+    return {}
+
+
+def read_csv_history(path: Path) -> dict[str, dict[int, float]]:
+    """Lightning CSVLogger's metrics.csv -> {metric: {batch: value}}.
+
+    Its `step` is Lightning's logged step, batch n at step n - 1, and an evaluation after
+    batch n is logged at the same step as batch n's training metrics (the one before
+    training at step 0 too). So the rows are read in order: a training row's batch is its
+    `rollout/batch` (else step + 1), an eval row's the last training row's (0 before any).
+    A later row wins over an earlier one of the same batch (a resumed run's repeats)."""
+    series: dict[str, dict[int, float]] = {}
+    last_batch = 0
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            values = {k: float(v) for k, v in row.items() if k not in ("step", "epoch") and v not in ("", None)}
+            if not values:
+                continue
+            if any(k.startswith("eval/") for k in values):
+                x = last_batch
+            else:
+                x = int(values["rollout/batch"]) if "rollout/batch" in values else int(float(row["step"])) + 1
+                last_batch = x
+            for name, value in values.items():
+                if math.isfinite(value):
+                    series.setdefault(name, {})[x] = value
+    return series
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+def group_runs(runs: list[dict], by: list[str]) -> dict[tuple, list[dict]]:
+    """Runs with the same values of `by` (one choice, its seeds), in order of first appearance."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(tuple(choice_value(run, k) for k in by), []).append(run)
+    return groups
+
+
+def mean_std(values: list[float], fmt: str = ".1f") -> str:
+    """'mean ± sample std' of the values present (n - 1 in the std); the value alone when there
+    is one. `fmt`: the mean's format spec ('+.1f' signs it); the std's drops the sign."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return ""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt.lstrip('+'))}"
+
+
+def _change(run: dict) -> float | None:
+    start, end = run.get("eval/accuracy_start"), run.get("eval/accuracy")
+    return None if start is None or end is None else 100 * (end - start)
+
+
+def _scaled(run: dict, key: str, scale: float = 1.0) -> float | None:
+    value = run.get(key)
+    return None if value is None else scale * float(value)
+
+
+# Final-metric columns: (header, value of a run, format)
+COLUMNS = (
+    ("acc start %", lambda r: _scaled(r, "eval/accuracy_start", 100), ".1f"),
+    ("acc end %", lambda r: _scaled(r, "eval/accuracy", 100), ".1f"),
+    ("change pts", _change, "+.1f"),
+    ("len start", lambda r: _scaled(r, "eval/response_len_start"), ".2f"),
+    ("len end", lambda r: _scaled(r, "eval/response_len"), ".2f"),
+    ("steps", lambda r: _scaled(r, "global_step"), ".0f"),
+    ("train s", lambda r: _scaled(r, "train_seconds"), ".0f"),
+)
+HEADER = [name for name, _, _ in COLUMNS]
+
+
+def choice_rows(groups: dict[tuple, list[dict]]) -> list[list[str]]:
+    """One row per choice: its values, n, the seeds, then mean ± std of each column."""
+    table = []
+    for key, members in groups.items():
+        seeds = ",".join(choice_value(run, "seed") for run in members if choice_value(run, "seed"))
+        table.append(list(key) + [str(len(members)), seeds] +
+                     [mean_std([value(run) for run in members], fmt) for _, value, fmt in COLUMNS])
+    return table
+
+
+def rows(runs: list[dict], by: list[str]) -> list[list[str]]:
+    """One row per run: the values of `by`, then each column (the sweep_table layout)."""
+    return [[choice_value(run, k) for k in by] + [mean_std([value(run)], fmt) for _, value, fmt in COLUMNS]
+            for run in runs]
+
+
+def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in body]
+
+
+# --- the plots --------------------------------------------------------------------------------
+
+# (file stem, title, metrics in order of preference: the first one any run logged, scale)
+PANELS = (
+    ("reward", "reward (rollout mean)", ("rollout/reward_mean",), 1.0),
+    ("eval_accuracy", "held-out accuracy % (greedy)", ("eval/accuracy",), 100.0),
+    # beside the accuracy: a learned reward's score of the same responses (over-optimisation shows as a parting)
+    ("proxy_reward", "held-out proxy reward (learned, greedy)", ("eval/proxy_reward",), 1.0),
+    ("response_length", "response length (tokens)", ("rollout/response_len_mean", "eval/response_len"), 1.0),
+    ("kl", "KL to the reference", ("policy/kl",), 1.0),
+    ("entropy", "entropy (nats / token)", ("policy/entropy",), 1.0),
+    ("clip_fraction", "clip fraction", ("policy/clip_frac",), 1.0),
+)
+
+
+def smoothed(series: dict[int, float], window: int) -> dict[int, float]:
+    """Trailing mean over `window` logged points (1: unchanged)."""
+    xs = sorted(series)
+    if window <= 1:
+        return {x: series[x] for x in xs}
+    out = {}
+    for i, x in enumerate(xs):
+        recent = [series[xs[j]] for j in range(max(0, i - window + 1), i + 1)]
+        out[x] = sum(recent) / len(recent)
+    return out
+
+
+def seed_band(series: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """x, mean, min, max over the seeds that logged each x."""
+    xs = sorted({x for s in series for x in s})
+    mean, low, high = [], [], []
+    for x in xs:
+        values = [s[x] for s in series if x in s]
+        mean.append(sum(values) / len(values))
+        low.append(min(values))
+        high.append(max(values))
+    return xs, mean, low, high
+
+
+def draw_panel(ax, metric: str, title: str, scale: float, groups: dict[tuple, list[dict]], labels: list[str],
+               smooth: int, x_label: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    # held-out metrics are a few points each (every val_check_interval): markers, no smoothing
+    evaluated = metric.startswith("eval/")
+    for i, members in enumerate(groups.values()):
+        series = [smoothed({x: scale * v for x, v in run["history"][metric].items()}, 1 if evaluated else smooth)
+                  for run in members if metric in run["history"]]
+        if not series:
+            continue
+        xs, mean, low, high = seed_band(series)
+        color = f"C{i % 10}"
+        ax.plot(xs, mean, color=color, label=labels[i], marker="o" if evaluated else None, markersize=3,
+                linewidth=1.2)
+        if len(series) > 1:
+            ax.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # batches are whole numbers
+    ax.set_title(f"{title}\n{metric}", fontsize=9)
+    ax.set_xlabel(x_label, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+
+
+def write_plots(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Path, smooth: int) -> list[str]:
+    """One PNG per panel some run logged, and curves.png with all of them; returns the files."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on a cluster node
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    runs = [run for members in groups.values() for run in members]
+    logged = {name for run in runs for name in run["history"]}
+    panels = []
+    for stem, title, candidates, scale in PANELS:
+        metric = next((m for m in candidates if m in logged), None)
+        if metric is not None:
+            panels.append((stem, title, metric, scale))
+    if not panels:
+        return []
+    x_label = "rollout batch" if "rollout/batch" in logged else "training batch"
+
+    files = []
+    for stem, title, metric, scale in panels:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        draw_panel(ax, metric, title, scale, groups, labels, smooth, x_label)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{stem}.png", dpi=120)
+        plt.close(fig)
+        files.append(f"{stem}.png")
+
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows + 0.4), squeeze=False)
+    for ax, (stem, title, metric, scale) in zip(axes.flat, panels):
+        draw_panel(ax, metric, title, scale, groups, labels, smooth, x_label)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    # one legend for the figure, every choice in it (a panel may lack some: no KL for dapo)
+    handles = [Line2D([], [], color=f"C{i % 10}", label=label) for i, label in enumerate(labels)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    legend_height = 0.25 * math.ceil(len(handles) / 4) + 0.1  # inches: a row per 4 choices
+    fig.tight_layout(rect=(0, legend_height / fig.get_figheight(), 1, 1))
+    fig.savefig(out_dir / "curves.png", dpi=120)
+    plt.close(fig)
+    return ["curves.png"] + files
+
+
+# --- the report -------------------------------------------------------------------------------
+
+
+def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None = None, smooth: int = 1) -> Path:
+    """Write <out_dir>/report.md and the PNGs (out_dir: <root>/report); returns report.md."""
+    root = Path(root)
+    runs = load_runs(root)
+    if not runs:
+        raise ReportError(f"no summary.json below {root}: not a sweep directory, or no job has finished "
+                          "(each job writes <job dir>/summary.json when it ends)")
+    if by is None:
+        by = [k for k in varying_keys(runs) if k != "seed"]
+    known = {k for run in runs for k in run["overrides"]} | {k for run in runs for k in run.get("choices", {})}
+    unknown = [k for k in by if k not in known]
+    if unknown:
+        raise ReportError(f"--by {' '.join(unknown)}: no run has {'this key' if len(unknown) == 1 else 'these keys'}; "
+                          f"the runs' overrides and choices are: {', '.join(sorted(known))}")
+    for run in runs:
+        run["history"] = load_history(run["path"])
+        for name in ("eval/accuracy", "eval/response_len", "eval/proxy_reward"):  # curves start at the start eval
+            if name in run["history"] and f"{name}_start" in run:
+                run["history"][name].setdefault(0, run[f"{name}_start"])
+
+    out_dir = Path(out_dir) if out_dir is not None else root / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs, by)
+    labels = [", ".join(f"{k}={v}" for k, v in zip(by, key)) or "all runs" for key in groups]
+    pictures = write_plots(groups, labels, out_dir, smooth)
+
+    n_seeds = sorted({len(members) for members in groups.values()})
+    lines = [
+        f"# Sweep report: {root}",
+        "",
+        f"{len(runs)} runs (jobs with a summary.json), {len(groups)} choices"
+        + (f" of {', '.join(f'`{k}`' for k in by)}" if by else "")
+        + f", {n_seeds[0] if len(n_seeds) == 1 else f'{n_seeds[0]} to {n_seeds[-1]}'} "
+        + f"{'seed' if n_seeds == [1] else 'seeds'} each. Held-out greedy accuracy and response length "
+        "before and after training (summary.json). Each cell: mean ± sample standard deviation "
+        "over the choice's seeds (n runs); a single run shows its value alone.",
+        "",
+        *markdown_table(by + ["n", "seeds"] + HEADER, choice_rows(groups)),
+        "",
+        "## Curves",
+        "",
+    ]
+    without = [run["path"].name for run in runs if not run["history"]]
+    if pictures:
+        lines += [
+            "One line per choice: the mean over its seeds; the shaded band spans the lowest to the "
+            "highest seed. x: rollout batches; held-out metrics at the batches they were evaluated "
+            "at (0: before training)"
+            + (f"; training curves smoothed by a trailing mean over {smooth} batches." if smooth > 1 else "."),
+            "",
+            f"![curves]({pictures[0]})",
+            "",
+            "Panels: " + ", ".join(f"[{name[:-4]}]({name})" for name in pictures[1:]),
+        ]
+    else:
+        lines.append("No run has a logged history (metrics.jsonl or csv/metrics.csv): no curves.")
+    if without and pictures:
+        lines += ["", f"Without a logged history (not in the curves): {', '.join(without)}."]
+    per_run_keys = by + (["seed"] if "seed" not in by and any("seed" in run["overrides"] for run in runs) else [])
+    lines += [
+        "",
+        "## Runs",
+        "",
+        *markdown_table(["job"] + per_run_keys + HEADER,
+                        [[run["path"].name] + row for run, row in zip(runs, rows(runs, per_run_keys))]),
+        "",
+    ]
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+class ReportError(Exception):
+    """Bad input to posttrain-report: printed as one line, exit 1."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="posttrain-report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", type=Path, help="a multirun directory (or any folder of run directories)")
+    parser.add_argument("--by", nargs="+", metavar="KEY",
+                        help="the keys that make a choice; runs that share them are aggregated as seeds "
+                             "(default: every override that varies, except seed; `--by algorithm seed`: one row per run)")
+    parser.add_argument("--out", type=Path, help="output directory (default: <root>/report)")
+    parser.add_argument("--smooth", type=int, default=1, metavar="N",
+                        help="trailing mean over N batches of the training curves (default 1: none)")
+    args = parser.parse_args(argv)
+    try:
+        if not args.root.is_dir():
+            raise ReportError(f"{args.root} is not a directory")
+        report = write_report(args.root, args.by, args.out, max(1, args.smooth))
+    except ReportError as err:
+        print(f"posttrain-report: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    print(f"wrote {report} and its plots in {report.parent}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The grouped scoring forward (models/grouped_forward.py) reproduces the HF forward.
+
+Every online-RL log-prob (training, reference, old, teacher) goes through it, so its
+logits and its gradients must equal those of the model's own forward over the whole
+prompt + response, with each prompt shared by its group and padding left out.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from posttrain.models.forward import sequence_logits
+from posttrain.models.grouped_forward import grouped_forward_unsupported_reason, grouped_logits
+
+
+def _init(model_cls, config, seed=0):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    with torch.no_grad():  # random init zeroes biases and sets gains to 1: make both matter
+        for name, p in model.named_parameters():
+            generator = torch.Generator().manual_seed(len(name) + seed)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5, generator=generator)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=generator)
+    return model.train()
+
+
+def _qwen():
+    config = transformers.Qwen2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=4, intermediate_size=96, max_position_embeddings=128,
+                                      tie_word_embeddings=True, pad_token_id=0)
+    return _init(transformers.Qwen2ForCausalLM, config)
+
+
+def _llama(**overrides):
+    """GQA (4 query / 2 kv heads), untied head, biases everywhere."""
+    config = dict(vocab_size=40, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, max_position_embeddings=128, tie_word_embeddings=False, attention_bias=True,
+                  mlp_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    return _init(transformers.LlamaForCausalLM, transformers.LlamaConfig(**(config | overrides)), seed=1)
+
+
+def _llama_yarn():
+    rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "attention_factor": 1.3,
+            "original_max_position_embeddings": 32}
+    return _llama(rope_parameters=rope)
+
+
+MODELS = {"qwen": _qwen, "llama": _llama, "llama_yarn": _llama_yarn}
+
+
+def _batch(vocab: int, group_size: int, pads=(0, 2, 1), plen=6, width=7, seed=0):
+    """Groups of `group_size` rows sharing a left-padded prompt (a different padding each),
+    responses of lengths from 1 to `width` (a prefix mask, pad id 0 after the end)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (len(pads), plen), generator=g)
+    prompt_mask = torch.ones_like(prompts)
+    for row, n in enumerate(pads):
+        prompts[row, :n], prompt_mask[row, :n] = 0, 0
+    rows = len(pads) * group_size
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    lengths[0], lengths[-1] = 1, width
+    response_ids = torch.randint(3, vocab, (rows, width), generator=g)
+    response_mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+    response_ids[response_mask == 0] = 0
+    return (prompts.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0),
+            response_ids, response_mask)
+
+
+def _hf_logits(model, prompt_ids, prompt_mask, response_ids, response_mask):
+    """The plain forward: prompt + response through the HF module, every row whole."""
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    return logits[:, prompt_ids.shape[1] - 1: -1]
+
+
+def _masked_logprob_sum(logits, response_ids, response_mask):
+    logp = logits.log_softmax(-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    return (logp * response_mask).sum()
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_logits_equal_the_hf_forward_at_every_real_token(arch, group_size):
+    model = MODELS[arch]()
+    batch = _batch(model.config.vocab_size, group_size)
+    with torch.no_grad():
+        expected = _hf_logits(model, *batch)
+        got = grouped_logits(model, *batch, group_size)
+    real = batch[3].bool()
+    assert got.shape == expected.shape
+    assert torch.allclose(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    # positions that predict padding are not computed: zeros (finite), never NaN
+    assert torch.equal(got[~real], torch.zeros_like(got[~real]))
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llama"])
+def test_gradients_equal_the_hf_forward(arch):
+    """Each prompt runs once, so its gradient is the sum over its group's responses: the same
+    as through the copies of the plain forward (the tied embedding of qwen included)."""
+    model = MODELS[arch]()
+    batch = _batch(model.config.vocab_size, group_size=4)
+    expected_loss = _masked_logprob_sum(_hf_logits(model, *batch), batch[2], batch[3])
+    expected = torch.autograd.grad(expected_loss, list(model.parameters()))
+    loss = _masked_logprob_sum(grouped_logits(model, *batch, 4), batch[2], batch[3])
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    assert torch.allclose(loss, expected_loss, rtol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), got, expected):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), name
+
+
+def test_lora_adapter_gradients_equal_the_hf_forward():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                           "up_proj"]))
+    with torch.no_grad():  # B starts at zero: make the adapter change the output
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    batch = _batch(model.config.vocab_size, group_size=2)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    expected = torch.autograd.grad(_masked_logprob_sum(_hf_logits(model, *batch), batch[2], batch[3]), trainable)
+    assert grouped_forward_unsupported_reason(model) is None
+    got = torch.autograd.grad(_masked_logprob_sum(sequence_logits(model, *batch), batch[2], batch[3]),
+                              trainable)
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_sequence_logits_uses_it_only_where_it_is_exact():
+    model = _qwen()
+    assert grouped_forward_unsupported_reason(model) is None
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert "gradient checkpointing" in grouped_forward_unsupported_reason(checkpointed)
+    dropout = _llama(attention_dropout=0.1)
+    assert "dropout" in grouped_forward_unsupported_reason(dropout)
+    assert grouped_forward_unsupported_reason(dropout.eval()) is None  # no dropout in eval mode
+    batch = _batch(model.config.vocab_size, group_size=2)
+    with torch.no_grad():  # the fallback (HF forward) and the grouped path agree
+        assert torch.allclose(sequence_logits(checkpointed.eval(), *batch)[batch[3].bool()],
+                              sequence_logits(model.eval(), *batch)[batch[3].bool()], atol=1e-5)
+
+
+def test_sequence_logits_runs_each_prompt_of_a_group_once(monkeypatch):
+    import posttrain.algorithms.experience as experience
+
+    seen = []
+    real = experience.grouped_logits
+    monkeypatch.setattr(experience, "grouped_logits", lambda *args: seen.append(args[-1]) or real(*args))
+    model = _qwen()
+    batch = _batch(model.config.vocab_size, group_size=4)
+    sequence_logits(model, *batch)
+    shuffled = [x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))] for x in batch]
+    sequence_logits(model, *shuffled)  # rows out of group order: nothing is shared
+    assert seen == [4, 1]
+
+
+@pytest.mark.parametrize("width", [1, 5, 15, 16, 23])
+def test_padded_softmax_equals_softmax_with_its_gradient(width):
+    from posttrain.models.functional import softmax_last
+
+    x = torch.randn(6, 3, width, requires_grad=True)
+    if width > 1:
+        x.data[0, 0, 0] = float("-inf")  # masked entries stay at weight 0
+    weights = torch.randn(6, 3, width)
+    got = softmax_last(x)
+    assert got.shape == x.shape
+    assert torch.allclose(got, x.softmax(-1), atol=1e-7)
+    (grad,) = torch.autograd.grad((got * weights).sum(), x)
+    (expected,) = torch.autograd.grad((x.softmax(-1) * weights).sum(), x)
+    assert torch.allclose(grad, expected, atol=1e-6)
+
+
+def test_lora_dropout_keeps_the_hf_forward():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1))
+    assert "LoRA dropout" in grouped_forward_unsupported_reason(model.train())
+    assert grouped_forward_unsupported_reason(model.eval()) is None
