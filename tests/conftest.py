@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,37 @@ def tiny_hf_model(tmp_path_factory):
         return built[family]
 
     return get
+
+
+def rl_config(make_config, sft_start, *overrides, output_dir=None):
+    return make_config(*FAST_RUN, *EASY_TASK, f"model.init_from={sft_start}", "algorithm.prompts_per_step=4",
+                       "algorithm.group_size=4", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                       "callbacks.checkpoint.every_n_train_steps=2", "eval.at_start=false", *overrides,
+                       output_dir=output_dir)
+
+
+def make_reward_model_dir(directory: Path, tokenizer, seed: int, context: int = 128) -> Path:
+    """A tiny one-label Qwen2 sequence classifier over `tokenizer` with `context` positions, saved with it."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=context,
+                         num_labels=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # scores of order 1, so they differ visibly
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+# how a job of WORLD ranks on this machine is launched (`torchrun --standalone`): the command
+# before `-m posttrain.train <overrides>`; torchrun picks a free port itself
+# 2 ranks on CPU (gloo): `*TORCHRUN, "-m", "posttrain.train", <overrides>`; torchrun picks a free port itself
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

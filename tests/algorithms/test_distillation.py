@@ -17,7 +17,7 @@ from posttrain.rewards import ScoredSample, build_reward
 from posttrain.train import run
 
 from conftest import module_from_config
-from test_grpo import rl_config
+from conftest import rl_config
 
 
 def two_samples(student_logp, teacher_logp, mask, scores):

@@ -11,16 +11,9 @@ from posttrain.errors import ConfigError, RewardError
 from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.train import build_module, run
 
-from conftest import EASY_TASK, FAST_RUN, module_from_config
+from conftest import EASY_TASK, FAST_RUN, module_from_config, rl_config
 
 PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "kimi", "ppo"]
-
-
-def rl_config(make_config, sft_start, *overrides, output_dir=None):
-    return make_config(*FAST_RUN, *EASY_TASK, f"model.init_from={sft_start}", "algorithm.prompts_per_step=4",
-                       "algorithm.group_size=4", "trainer.max_steps=2", "trainer.val_check_interval=2",
-                       "callbacks.checkpoint.every_n_train_steps=2", "eval.at_start=false", *overrides,
-                       output_dir=output_dir)
 
 
 def exploding_reward(samples, source):

@@ -12,7 +12,7 @@ from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.train import build_module, run
 
 from conftest import compose_config
-from test_grpo import rl_config
+from conftest import rl_config
 
 PEERS = ["posttrain", "trl", "verl", "openrlhf"]
 ONLINE_PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo"]

@@ -20,18 +20,9 @@ from posttrain.distributed.collectives import average_gradients
 from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.train import build_module
 
-from test_grpo import rl_config
+from conftest import TORCHRUN, free_port, rl_config
 
 WORLD = 2
-# how a job of WORLD ranks on this machine is launched (`torchrun --standalone`): the command
-# before `-m posttrain.train <overrides>`; torchrun picks a free port itself
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build(cfg_dict):

@@ -28,7 +28,7 @@ from posttrain.train import build_module
 from posttrain.files import save_pretrained_atomic
 
 from conftest import EASY_TASK, FAST_RUN, compose_config
-from test_distributed import TORCHRUN, free_port
+from conftest import TORCHRUN, free_port
 
 WORLD = 2
 STEPS = 3

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from posttrain.data.sources import ArithmeticSource
 
 from conftest import EASY_TASK, FAST_RUN, compose_config
-from test_distributed import free_port
+from conftest import free_port
 
 WORLD = 2
 STEPS = 3

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import FAST_RUN, compose_config
-from test_distributed import free_port
+from conftest import free_port
 from test_preference_distributed import (DDP, LR, PAIRS_PER_RANK, SMALL_MODEL, STEPS, WORLD, run_as_rank,
                                          check_disjoint_halves_of_the_global_batches, check_only_rank_0_wrote,
                                          check_same_weights)

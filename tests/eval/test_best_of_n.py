@@ -25,7 +25,7 @@ from posttrain.models.tiny import build_char_tokenizer
 from posttrain.rewards.prm import ProcessRewardModel
 
 from conftest import rollout_batch
-from test_learned_reward import make_reward_model_dir
+from conftest import make_reward_model_dir
 
 # --- the accuracies of each selector, on hand-made judgements (no model) ----------------------------
 

@@ -12,36 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import EASY_TASK, FAST_RUN, compose_config, make_reward_model_dir
 from omegaconf import OmegaConf
 
+from posttrain.core import ensemble_lower_bound
 from posttrain.data.arithmetic import ALPHABET
 from posttrain.data.examples import Example
 from posttrain.data.sources import ArithmeticSource
 from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_char_tokenizer
 from posttrain.rewards import ScoredSample, build_reward
-from posttrain.core import ensemble_lower_bound
 from posttrain.rewards.reward_model import RewardModelScorer
 from posttrain.train import run
 
-from conftest import EASY_TASK, FAST_RUN, compose_config
-
 SOURCE = ArithmeticSource(style="concise", min_digits=2, max_digits=2)
-
-
-def make_reward_model_dir(directory: Path, tokenizer, seed: int, context: int = 128) -> Path:
-    """A tiny one-label Qwen2 sequence classifier over `tokenizer` with `context` positions, saved with it."""
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=context,
-                         num_labels=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(seed)
-    model = Qwen2ForSequenceClassification(config)
-    torch.nn.init.normal_(model.score.weight, std=1.0)  # scores of order 1, so they differ visibly
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +230,8 @@ def test_the_config_check_names_a_missing_reward_model(tmp_path):
 # --- a GRPO run on a learned reward: eval/proxy_reward beside eval/accuracy -----------------------
 
 def test_grpo_on_a_reward_model_logs_the_proxy_reward_at_each_eval(tmp_path, reward_dirs):
-    from posttrain.run.history import HISTORY_FILE
     from posttrain.eval.report import write_report
+    from posttrain.run.history import HISTORY_FILE
 
     run_dir = tmp_path / "runs" / "0"
     cfg = compose_config([*FAST_RUN, *EASY_TASK, "algorithm=grpo", "algorithm.warm_start.steps=0",

@@ -138,7 +138,7 @@ def kill_job(process: subprocess.Popen) -> None:
 
 @pytest.mark.parametrize("trainer", ["ddp", "fsdp"])  # a checkpoint file; a directory of shards
 def test_kill_9_of_a_two_rank_job_then_resume_logs_what_the_uninterrupted_job_logged(trainer, sft_start, tmp_path):
-    from test_distributed import TORCHRUN
+    from conftest import TORCHRUN
 
     job = (f"trainer={trainer}", f"trainer.max_steps={TWO_RANK_STEPS}", "callbacks.checkpoint.every_n_train_steps=2")
     code, output = finish(start(tmp_path / "straight", sft_start, *job, launcher=TORCHRUN), timeout=400)

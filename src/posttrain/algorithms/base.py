@@ -13,7 +13,7 @@ import lightning as L
 import torch
 
 from posttrain.core import pass_at_k
-from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.distributed.sharding import GatheringEngine, is_sharded, shard_module
 from posttrain.errors import ConfigError
 from posttrain.models.loading import stop_token_ids
@@ -116,15 +116,6 @@ class PosttrainModule(L.LightningModule):
             optimizer, lambda step: warmup_cosine(step, optim.warmup_steps, total, optim.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Automatic optimisation (SFT): record the gradient norm, then clip at `max_grad_norm`
-        through Lightning (precision- and strategy-aware). Online RL steps by hand and clips in
-        `OnlineRLModule.optimiser_step`, where a non-finite norm also skips the step."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        self.last_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        if self.max_grad_norm:
-            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
 
     # --- logging -------------------------------------------------------------------------------
     def log_step_metrics(self, metrics: dict[str, float]) -> None:
@@ -288,3 +279,27 @@ class PosttrainModule(L.LightningModule):
             if isinstance(logger, WandbLogger):
                 logger.log_table(key="eval/samples", columns=columns, data=[[row[c] for c in columns] for row in rows],
                                  step=logged_step)
+
+
+class OfflineModule(PosttrainModule):
+    """The base of the modules Lightning optimises automatically (SFT, the preference family,
+    the reward model, the PRM): it owns their data parallelism without a DDP wrapper and their
+    gradient-norm log. Each subclass's loss is already scaled so that the averaged gradients are
+    those of one global mean over the ranks' tokens, pairs or steps."""
+
+    def on_before_optimizer_step(self, optimizer):
+        # trainer=ddp: average the ranks' gradients, before clipping; sharded (FSDP2) gradients
+        # were averaged by the reduce-scatter and are left alone
+        average_gradients(self.policy.parameters())
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Automatic optimisation (SFT): record the gradient norm, then clip at `max_grad_norm`
+        through Lightning (precision- and strategy-aware). Online RL steps by hand and clips in
+        `OnlineRLModule.optimiser_step`, where a non-finite norm also skips the step."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self.last_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if self.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("train/grad_norm", self.last_grad_norm)

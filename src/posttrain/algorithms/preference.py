@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from posttrain import core
-from posttrain.algorithms.base import PosttrainModule
+from posttrain.algorithms.base import OfflineModule
 from posttrain.data.preference import collate_pairs
-from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
 from posttrain.distributed.sharding import is_sharded
 from posttrain.errors import CheckpointError, ConfigError, DataError
 from posttrain.models.lora import has_adapter, reference_is_the_base, reference_model
@@ -62,7 +62,7 @@ def pair_sums(out, pairs: int) -> torch.Tensor:
                         (c > r).float().sum(), torch.tensor(float(pairs), device=c.device)])
 
 
-class PreferenceModule(PosttrainModule):
+class PreferenceModule(OfflineModule):
     """`loss`: dpo | ipo | hinge | simpo. `beta`: the loss's inverse temperature (IPO's tau);
     `gamma`: SimPO's target margin; `label_smoothing`: cDPO's label noise (dpo, simpo);
     `length_normalize`: IPO on per-token log-ratios. `roles`: the run's role configs, of
@@ -205,14 +205,6 @@ class PreferenceModule(PosttrainModule):
         means = sums[:-1] / sums[-1].clamp(min=1.0)
         self.log(loss_name, means[0], prog_bar=True)
         self.log_dict({f"{prefix}{name}": means[1 + i] for i, name in enumerate(REWARD_STATS)})
-
-    def on_before_optimizer_step(self, optimizer):
-        # data parallelism without a DDP wrapper (trainer=ddp): average the ranks' gradients,
-        # before clipping; sharded (FSDP2) gradients are averaged already and left alone
-        average_gradients(self.policy.parameters())
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.log("train/grad_norm", self.last_grad_norm)
 
     # --- held-out pairs ------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from posttrain.algorithms.base import PosttrainModule
+from posttrain.algorithms.base import OfflineModule
 from posttrain.algorithms.reward_model import one_label_head_on
 from posttrain.data.process import LABEL_SOURCES, collate_step_rows
-from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
 from posttrain.errors import ConfigError
 
 
@@ -43,7 +43,7 @@ def first_below(scores: torch.Tensor, valid: torch.Tensor, threshold: float) -> 
     return torch.where(below, index, scores.shape[1]).amin(dim=1)
 
 
-class PRMModule(PosttrainModule):
+class PRMModule(OfflineModule):
     train_collate = staticmethod(collate_step_rows)
     eval_collate = staticmethod(collate_step_rows)
     eval_on_pairs = True  # the datamodule's held-out batches are the validation step rows, not prompts
@@ -75,13 +75,6 @@ class PRMModule(PosttrainModule):
         self.log("train/loss", sums[0] / steps, prog_bar=True)
         self.log("train/step_accuracy", sums[1] / steps)
         return loss_sum * rank_and_world()[1] / steps
-
-    def on_before_optimizer_step(self, optimizer):
-        # data parallelism without a DDP wrapper (trainer=ddp): average the ranks' gradients
-        average_gradients(self.policy.parameters())
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.log("train/grad_norm", self.last_grad_norm)
 
     # --- held-out evaluation: against the step verifier's labels ------------------------------
     def on_validation_epoch_start(self) -> None:

@@ -16,11 +16,11 @@ import copy
 
 import torch
 
-from posttrain.algorithms.base import PosttrainModule
+from posttrain.algorithms.base import OfflineModule
 from posttrain.algorithms.preference import pair_sums
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.data.preference import collate_pairs
-from posttrain.distributed.collectives import all_reduce_sum, average_gradients
+from posttrain.distributed.collectives import all_reduce_sum
 from posttrain.errors import ConfigError
 from posttrain.models.loading import disable_dropout
 from posttrain.models.lora import has_adapter
@@ -62,7 +62,7 @@ def pair_rows(batch: dict, pad_token_id: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat(ids), torch.cat(masks)
 
 
-class RewardModelModule(PosttrainModule):
+class RewardModelModule(OfflineModule):
     train_collate = staticmethod(collate_pairs)
     eval_collate = staticmethod(collate_pairs)
     eval_on_pairs = True  # the datamodule's held-out batches are validation pairs, not prompts
@@ -91,14 +91,6 @@ class RewardModelModule(PosttrainModule):
         self.log("train/loss", loss, prog_bar=True)
         self.log_dict({f"rewards/{name}": value for name, value in zip(("chosen", "rejected", "margin", "accuracy"), stats)})
         return out.loss
-
-    def on_before_optimizer_step(self, optimizer):
-        # data parallelism without a DDP wrapper (trainer=ddp): average the ranks' gradients
-        # (equal per-rank batches: the mean of the ranks' pair means is the global pair mean)
-        average_gradients(self.policy.parameters())
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.log("train/grad_norm", self.last_grad_norm)
 
     # --- held-out evaluation: pair accuracy on the validation pairs ------------------------------
     def on_validation_epoch_start(self) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from posttrain.algorithms.base import PosttrainModule
+from posttrain.algorithms.base import OfflineModule
 from posttrain.data.datamodule import collate_sft
-from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
 
 
-class SFTModule(PosttrainModule):
+class SFTModule(OfflineModule):
     train_collate = staticmethod(collate_sft)
 
     def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, batch_size,
@@ -30,11 +30,3 @@ class SFTModule(PosttrainModule):
         self.train_batches_seen += 1
         self.log("train/loss", all_reduce_sum(loss_sum.detach()) / global_tokens, prog_bar=True)
         return loss_sum * world / global_tokens
-
-    def on_before_optimizer_step(self, optimizer):
-        # data parallelism without a DDP wrapper (trainer=ddp): average the ranks' gradients,
-        # before clipping; sharded (FSDP2) gradients are averaged already and left alone
-        average_gradients(self.policy.parameters())
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.log("train/grad_norm", self.last_grad_norm)

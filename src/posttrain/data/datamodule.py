@@ -151,7 +151,7 @@ def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def model_context(tokenizer) -> int | None:
+def tokenizer_context(tokenizer) -> int | None:
     """The model's context in tokens, as the loader recorded it in ``tokenizer.model_max_length``
     (None when the tokenizer was never told)."""
     value = getattr(tokenizer, "model_max_length", None)
@@ -187,7 +187,7 @@ def fit_prompts(source, tokenizer, splits: dict[str, int], sft_rows: bool = Fals
     rows (prompt + reference response + EOS) must fit the context too.
     """
     limits = getattr(source, "prompt_limits", None) or PromptLimits()
-    context = model_context(tokenizer)
+    context = tokenizer_context(tokenizer)
     limit, reason = prompt_token_limit(limits, context)
     if limit is None:
         return

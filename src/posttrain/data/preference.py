@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from posttrain.data.datamodule import collate_prompts, model_context, prompt_token_ids, right_padded
+from posttrain.data.datamodule import collate_prompts, tokenizer_context, prompt_token_ids, right_padded
 from posttrain.data.examples import Example
 from posttrain.data.hub import load_splits
 from posttrain.data.templates import check_messages, last_user_content
@@ -148,7 +148,7 @@ def check_pairs_fit(source: PreferenceSource, tokenizer) -> None:
     the model's context, before training: past it the model has no positions (a crash, or
     silently extrapolated ones), and cutting either side would change what is preferred. A
     DataError names the first pair too long (its file and row for dataset pairs) and the count."""
-    context = model_context(tokenizer)
+    context = tokenizer_context(tokenizer)
     if context is None:
         return
     for split in source.splits():

@@ -160,7 +160,7 @@ def load_pretrained(name: str, key: str, dtype=torch.float32):
             f"(not a local model directory, and the hub is unreachable or has no such model): {first_line}"
         ) from None
     check_vocabulary_fits(tokenizer, model, f"{key}={name!r}")
-    context = model_context(model.config)
+    context = declared_context(model.config)
     if context is not None:
         # the datamodule checks prompt lengths against it, and the export records it
         tokenizer.model_max_length = context
@@ -177,7 +177,7 @@ def load_pretrained(name: str, key: str, dtype=torch.float32):
     return tokenizer, model
 
 
-def model_context(config) -> int | None:
+def declared_context(config) -> int | None:
     """The context length (positions) a model's config declares, or None if it names none."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()  # multimodal configs keep it on the text model

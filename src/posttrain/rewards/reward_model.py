@@ -34,7 +34,7 @@ import torch
 from posttrain.core import ensemble_lower_bound
 from posttrain.data.datamodule import prompt_text, prompt_token_ids, right_padded
 from posttrain.errors import ConfigError
-from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, first_line_of, model_context
+from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, first_line_of, declared_context
 from posttrain.rewards.base import ScoredSample
 
 KEY = "reward.components.reward_model"
@@ -124,7 +124,7 @@ class RewardModelScorer:
         model's context keeps its last tokens (the score is read at the last one, the response's
         end); the share of rows cut is logged as rewards/reward_model/truncated_frac."""
         rows = [self.token_row(tokenizer, sample) for sample in samples]
-        context = model_context(model.config)
+        context = declared_context(model.config)
         if context is not None and rows:
             cut = sum(len(row) > context for row in rows)
             if cut:
