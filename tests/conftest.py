@@ -103,9 +103,9 @@ def embedded_hf_model(tmp_path_factory) -> Path:
     """`model=tiny` (random init) saved as an HF directory, with its tokenizer."""
     from omegaconf import OmegaConf
 
+    from posttrain.conf import CONFIG_DIR
     from posttrain.data.sources import ArithmeticSource
     from posttrain.models.loading import load_tokenizer_and_model
-    from posttrain.conf import CONFIG_DIR
 
     directory = tmp_path_factory.mktemp("embedded_hf_model")
     tokenizer, model = load_tokenizer_and_model(OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny.yaml"),

@@ -1,9 +1,11 @@
-"""Every command in README.md's shell blocks runs as written, with a tiny budget appended.
+"""Every command in the shell blocks of README.md and docs/*.md runs as written, with a tiny
+budget appended; and every link between those pages leads somewhere.
 
-The commands are read from the README itself, so a command added there is tested here.
-Placeholders name the runs of earlier commands: `outputs/<task>/runs/<time>` is the newest
-run of that task, `outputs/multiruns/<time>` the newest sweep. Budget overrides are
-appended (later overrides win in Hydra), so each command keeps its own choices.
+The commands are read from the pages themselves, so a command added there is tested here. The
+README's come first, then each page of docs/ in name order; a command shown on two pages runs
+once. Placeholders name the runs of earlier commands: `outputs/<task>/runs/<time>` is the newest
+run of that task, `outputs/multiruns/<time>` the newest sweep. Budget overrides are appended
+(later overrides win in Hydra), so each command keeps its own choices.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md"))]  # the order their commands run in
 SKIPPED = ("pip ", "python -m pytest")  # set-up and this very test suite
 BUDGET = ["trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.checkpoint.every_n_train_steps=2",
           "eval.num_prompts=8", "eval.batch_size=8", "callbacks.progress_bar=none", "logger=csv"]
@@ -29,14 +32,17 @@ PROCESS_BUDGET = ["algorithm.warm_start.steps=20", "algorithm.process_data.num_t
                   "algorithm.process_data.num_validation_prompts=4", "algorithm.process_data.rollouts_per_step=2"]
 
 
-def readme_commands() -> list[str]:
-    """The command lines of README.md's ```bash blocks, comments and continuations joined."""
+def readme_commands(documents: list[Path] = (README,)) -> list[str]:
+    """The command lines of the documents' ```bash blocks, comments and continuations joined,
+    each command once, in the order it first appears."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            command = line.split(" #", 1)[0].strip()
-            if command and not command.startswith("#") and not command.startswith(SKIPPED):
-                commands.append(" ".join(command.split()))
+    for document in documents:
+        for block in re.findall(r"```bash\n(.*?)```", document.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = " ".join(line.split(" #", 1)[0].split())
+                if command and not command.startswith("#") and not command.startswith(SKIPPED) \
+                        and command not in commands:
+                    commands.append(command)
     return commands
 
 
@@ -60,7 +66,7 @@ def with_budget(arguments: list[str], log_dir: Path, model_dir: Path) -> list[st
         return arguments + ["--repeats", "1", "--steps", "1", "--warmup", "1", "--seconds", "2", "--seeds", "0",
                             "--eval-every", "2", "--threads", "1", "--model", str(model_dir),
                             "--out", str(log_dir / "vs_trl")]
-    if arguments[0] == "python":  # benchmarks/ scripts take their own arguments
+    if arguments[0] in ("python", "posttrain-report"):  # benchmarks/ scripts and the report take their own arguments
         return arguments
     budget = list(BUDGET)
     if "algorithm=prm" in arguments:
@@ -85,11 +91,13 @@ def as_process(arguments: list[str]) -> list[str]:
         return [sys.executable, "-m", "posttrain.train", *arguments[1:]]
     if arguments[0] == "posttrain-eval":
         return [sys.executable, "-m", "posttrain.eval.evaluate", *arguments[1:]]
+    if arguments[0] == "posttrain-report":
+        return [sys.executable, "-m", "posttrain.eval.report", *arguments[1:]]
     if arguments[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *arguments[1:]]
     if arguments[0] == "python":  # a script of the repository, by its path from the repository root
         return [sys.executable, str(REPO / arguments[1]), *arguments[2:]]
-    raise AssertionError(f"README command of an unknown program: {arguments}")
+    raise AssertionError(f"documented command of an unknown program: {arguments}")
 
 
 def test_readme_has_the_commands_it_promises():
@@ -100,15 +108,41 @@ def test_readme_has_the_commands_it_promises():
     assert "posttrain --help" in commands
 
 
-def test_every_readme_command_runs(tmp_path, embedded_hf_model):
+def test_every_documented_command_runs(tmp_path, embedded_hf_model):
     log_dir = tmp_path / "outputs"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    for command in readme_commands():
+    for command in readme_commands(DOCUMENTS):
         if "vs_trl.py" in command and importlib.util.find_spec("trl") is None:
             continue  # the benchmark against TRL needs the `bench` extra
         arguments = with_budget(shlex.split(fill_placeholders(command, log_dir)), log_dir, embedded_hf_model)
         result = subprocess.run(as_process(arguments), capture_output=True, text=True, timeout=600, cwd=tmp_path,
                                 env=env)
         output = result.stdout + result.stderr
-        assert result.returncode == 0, f"README command failed: {command}\n{output[-4000:]}"
+        assert result.returncode == 0, f"documented command failed: {command}\n{output[-4000:]}"
         assert "Traceback" not in output, f"{command}\n{output[-4000:]}"
+
+
+def anchor(heading: str) -> str:
+    """The id GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_pages_resolve():
+    """A relative link of README.md or docs/*.md names a file that exists and, with a #part,
+    a heading of that file: moving a section must not leave a link behind."""
+    broken = []
+    for document in DOCUMENTS:
+        text = re.sub(r"```.*?```", "", document.read_text(), flags=re.S)  # code is not a link
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, part = target.partition("#")
+            linked = (document.parent / path).resolve() if path else document
+            if not linked.exists():
+                broken.append(f"{document.relative_to(REPO)}: {target} (no such file)")
+            elif part and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", linked.read_text(), flags=re.S),
+                                      flags=re.M)
+                if part not in {anchor(h) for h in headings}:
+                    broken.append(f"{document.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

@@ -37,7 +37,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     import lightning as L
     import torch
 
-    from posttrain.config.checks import check_config
+    from posttrain.config.check import check_config
     from posttrain.config.memory import check_memory_fits
     from posttrain.data.datamodule import PosttrainDataModule
     from posttrain.data.preference import share_summary

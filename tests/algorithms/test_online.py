@@ -2,15 +2,15 @@
 mask, skipped and guarded optimiser steps, the like-with-like off-policy mask, the critic."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+from test_grpo import online_module
 
 from posttrain.algorithms.experience import Experience
 from posttrain.algorithms.terms import MicroBatch, PolicyTerm
 from posttrain.errors import ConfigError, RewardError
-
-from test_grpo import online_module
 
 
 def test_scorers_compute_only_what_a_later_stage_reads(make_config, sft_start):
@@ -96,6 +96,9 @@ def test_ppo_critic_has_its_own_optimiser_and_trains_in_warm_up(make_config, sft
     exp, _, _ = module.collect(step=0)
     exp, metrics = module.compute_advantages(module.annotate(exp.without_trailing_padding()))
     assert "critic/explained_var" in metrics and exp.returns is not None
+    # returns of 1 on every response token: a briefly trained start may answer every prompt wrong,
+    # and zero returns against the zero-initialised value head would leave nothing to learn
+    exp = replace(exp, returns=exp.response_mask.float())
     module.policy.zero_grad()
     stats = module.accumulate_gradients(exp, train_policy=False)  # warm-up: the value loss only
     assert "critic/value_loss" in stats and "policy/loss" not in stats

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from posttrain.config.checks import check_config
+from posttrain.config.check import check_config
 from posttrain.data.preference import PreferencePair, PreferenceSource, collate_pairs
 from posttrain.data.sources import build_source
 from posttrain.errors import ConfigError

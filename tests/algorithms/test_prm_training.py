@@ -135,7 +135,7 @@ def test_the_loss_is_binary_cross_entropy_at_each_steps_last_token():
 
 
 def test_a_bad_label_source_is_refused_naming_the_key():
-    from posttrain.config.checks import check_config
+    from posttrain.config.check import check_config
 
     with pytest.raises(ConfigError, match=r"algorithm\.labels='outcome' is not valid"):
         check_config(compose_config([*TINY_ROWS, "algorithm.labels=outcome"]))

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from conftest import compose_config
 from posttrain.algorithms.reward_model import RewardModelModule
-from posttrain.config.checks import check_config
+from posttrain.config.check import check_config
 from posttrain.core.preference import bradley_terry_loss
 from posttrain.data.preference import PreferencePair, PreferenceSource, collate_pairs
 from posttrain.data.sources import ArithmeticSource

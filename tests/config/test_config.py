@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from posttrain.config.checks import check_config
+from posttrain.config.check import check_config
 from posttrain.errors import ConfigError
 from posttrain.conf import CONFIG_DIR
 

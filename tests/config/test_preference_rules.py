@@ -4,7 +4,7 @@ with a message naming both keys."""
 
 import pytest
 
-from posttrain.config.checks import check_config
+from posttrain.config.check import check_config
 from posttrain.errors import ConfigError
 
 from conftest import compose_config

@@ -227,7 +227,7 @@ def test_an_unreachable_hub_name_is_a_clear_error(monkeypatch):
 
 
 def test_config_rules_name_the_keys(make_config, gsm8k_dir):
-    from posttrain.config.checks import check_config
+    from posttrain.config.check import check_config
 
     with pytest.raises(ConfigError, match="eval.split=validation needs data.splits.validation .* data.validation_size"):
         check_config(make_config("data=gsm8k", "data.validation_size=0"))

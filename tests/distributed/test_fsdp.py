@@ -291,7 +291,7 @@ def test_the_cli_trains_with_fsdp_under_torchrun(tmp_path):
 def test_a_critic_on_the_policy_backbone_is_refused_under_fsdp_before_anything_is_built(tmp_path):
     """Its value head would read the sharded policy's decoder outside the policy's forward (see
     sharding.shard_module); its own backbone under fsdp, and a shared one under ddp, are fine."""
-    from posttrain.config.checks import check_config
+    from posttrain.config.check import check_config
     from posttrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"roles.critic.shared_backbone=true is not supported with trainer=fsdp"):

@@ -151,7 +151,7 @@ def test_sequence_logits_uses_it_only_where_it_is_exact():
 
 
 def test_sequence_logits_runs_each_prompt_of_a_group_once(monkeypatch):
-    import posttrain.algorithms.experience as experience
+    import posttrain.models.forward as experience
 
     seen = []
     real = experience.grouped_logits

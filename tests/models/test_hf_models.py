@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from posttrain.algorithms.base import PosttrainModule
-from posttrain.config.checks import check_config
+from posttrain.config.check import check_config
 from posttrain.errors import ConfigError
 from posttrain.config import memory
 from posttrain.models import loading

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from posttrain.config.checks import check_config
+from posttrain.config.check import check_config
 from posttrain.data.sources import build_source
 from posttrain.errors import ConfigError
 from posttrain.models.loading import load_tokenizer_and_model

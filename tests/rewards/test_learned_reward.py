@@ -210,7 +210,7 @@ def test_a_shared_tokenizer_must_have_the_policys_vocabulary(reward_dirs, tiny_h
 
 
 def test_the_config_refuses_a_path_without_the_component(tmp_path):
-    from posttrain.config.checks import check_config
+    from posttrain.config.check import check_config
 
     cfg = compose_config(["+reward.path=/somewhere"], tmp_path)
     OmegaConf.resolve(cfg)
@@ -219,7 +219,7 @@ def test_the_config_refuses_a_path_without_the_component(tmp_path):
 
 
 def test_the_config_check_names_a_missing_reward_model(tmp_path):
-    from posttrain.config.checks import check_config
+    from posttrain.config.check import check_config
 
     cfg = compose_config(["algorithm=grpo", "reward=reward_model", f"reward.path={tmp_path / 'absent'}"], tmp_path)
     OmegaConf.resolve(cfg)

@@ -180,7 +180,7 @@ def test_prm_early_stop_cuts_after_the_first_low_step(make_config):
 
 
 def test_step_options_without_a_process_reward_are_refused(make_config):
-    from posttrain.config.checks import check_config
+    from posttrain.config.check import check_config
 
     for overrides, culprit in (
         (["algorithm=grpo", "advantage=prm_step"], "advantage=prm_step"),

@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from posttrain.config.checks import check_config, keys_without_spec
+from posttrain.config.check import check_config, keys_without_spec
 from posttrain.errors import ConfigError
 from posttrain.rollout import FastSampler, SamplingParams, build_rollout, engine_options
 from posttrain.rollout.base import sampling_logits_processor

@@ -21,7 +21,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from posttrain.prepare import warm_start as warm_start_module
-from posttrain.config.checks import check_config, keys_without_spec
+from posttrain.config.check import check_config, keys_without_spec
 from posttrain.conf import CONFIG_DIR
 from posttrain.prepare.cache import NOT_IN_SFT, cache_lock
 from posttrain.prepare.warm_start import warm_start_plan
@@ -73,7 +73,7 @@ def test_each_grid_composes_into_its_jobs(study):
         cfg = compose_config(job)
         OmegaConf.resolve(cfg)
         check_config(cfg, {})
-        assert keys_without_spec(cfg) == [], "add these keys to config_checks.SPECS"
+        assert keys_without_spec(cfg) == [], "add these keys to the SPECS of src/posttrain/config/"
         batches = cfg.trainer.limit_train_batches
         assert cfg.trainer.max_epochs == 1
         assert cfg.trainer.max_steps >= batches * cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches, job

@@ -3,22 +3,25 @@ held-out evaluation by greedy generation, and the resumable count of training ba
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import WandbLogger
+from torch.distributed.tensor import DTensor
 
 from posttrain.core import pass_at_k
 from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.distributed.sharding import GatheringEngine, is_sharded, shard_module
 from posttrain.errors import ConfigError
+from posttrain.files import write_jsonl_atomic
 from posttrain.models.loading import stop_token_ids
 from posttrain.rewards.reward_model import learned_scorers
+from posttrain.rewards.samples import held_out_samples
 from posttrain.rollout import SamplingParams, build_rollout, engine_options
+from posttrain.rollout.base import decode_responses
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -106,7 +109,6 @@ class PosttrainModule(L.LightningModule):
         parameters = list(parameters)
         # the fused kernel: AdamW's update in one pass over each tensor instead of ~10 ops
         # (as HF Trainer's default); sharded (DTensor) parameters keep the generic path
-        from torch.distributed.tensor import DTensor
 
         fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in parameters)
         optimizer = torch.optim.AdamW(parameters, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
@@ -267,8 +269,6 @@ class PosttrainModule(L.LightningModule):
     def log_samples(self, rows: list[dict]) -> None:
         """The samples table of this eval: to W&B as `eval/samples`, and to the run dir as
         samples/step<global step>.jsonl (readable offline and with any logger)."""
-        from lightning.pytorch.loggers import WandbLogger
-
         if self.eval_samples_dir is not None:  # named like the checkpoints: by optimiser step
             write_jsonl_atomic(self.eval_samples_dir / f"step{self.trainer.global_step:06d}.jsonl", rows)
         # W&B: at the step Lightning logs this eval's metrics at (its counter of training

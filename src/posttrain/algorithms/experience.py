@@ -12,7 +12,6 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 
-
 @dataclass
 class Experience:
     """A scored rollout batch: B = prompts x group_size rows, T response columns."""

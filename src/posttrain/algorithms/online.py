@@ -56,6 +56,7 @@ import torch
 from omegaconf import OmegaConf
 
 from posttrain import core
+from posttrain.algorithms import rules
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.experience import Experience
 from posttrain.models.forward import sequence_hidden_states, sequence_logits
@@ -120,12 +121,8 @@ class OnlineRLModule(PosttrainModule):
             raise ConfigError(f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of {core.AGGREGATION_MODES}")
         if advantage.name not in core.ADVANTAGE_ESTIMATORS:
             raise ConfigError(f"advantage={advantage.name!r} is not one of {sorted(core.ADVANTAGE_ESTIMATORS)}")
-        if (advantage.name == "gae") != (critic is not None):
-            raise ConfigError("advantage=gae needs a critic and a critic needs advantage=gae: use algorithm=ppo, "
-                              f"or another advantage (got advantage={advantage.name}, "
-                              f"algorithm.critic={'set' if critic is not None else 'null'})")
-        if keep_sampling_mask and rollout.top_k == 0 and rollout.top_p >= 1.0:
-            raise ConfigError("algorithm.keep_sampling_mask=true needs rollout.top_k > 0 or rollout.top_p < 1")
+        rules.refuse(rules.gae_critic_problem(advantage.name, critic is not None),
+                     rules.sampling_mask_problem(keep_sampling_mask, rollout.top_k, rollout.top_p))
         for key, value in (("prompts_per_step", prompts_per_step), ("group_size", group_size),
                            ("ppo_epochs", ppo_epochs), ("num_minibatches", num_minibatches)):
             if not isinstance(value, int) or value < 1:
@@ -151,9 +148,8 @@ class OnlineRLModule(PosttrainModule):
         # --- KL: estimator, placement, coefficient; the frozen reference only when needed ---
         self.kl_name, self.kl_placement = kl_estimator.name, kl_estimator.placement
         self.kl_options = {k: v for k, v in kl_estimator.items() if k not in KL_PLACEMENT_KEYS}
-        uses_kl = self.kl_name != "none" and kl_estimator.coef > 0
-        if uses_kl and self.kl_placement not in ("in_reward", "as_loss"):
-            raise ConfigError(f"kl_estimator.placement={self.kl_placement!r} must be in_reward or as_loss")
+        uses_kl = rules.uses_kl(self.kl_name, kl_estimator.coef)
+        rules.refuse(rules.kl_placement_problem(self.kl_name, kl_estimator.coef, self.kl_placement))
         controller = kl_estimator.get("controller", "fixed")
         self.kl_controller = core.build_kl_controller(
             controller, **({"beta": kl_estimator.coef} if controller == "fixed" else
@@ -687,9 +683,7 @@ def process_reward_of(reward_fn):
 
 def check_process_options(module: OnlineRLModule, advantage_name: str) -> None:
     """ConfigErrors naming the keys for step-level options without a process reward to read."""
-    if advantage_name == "prm_step" and module.process_reward is None:
-        raise ConfigError("advantage=prm_step credits each reasoning step with a process reward model's reward, but "
-                          "the reward has none: use reward=prm (with prm=oracle or prm=learned), or another advantage")
+    rules.refuse(rules.prm_step_problem(advantage_name, module.process_reward is not None))
     if advantage_name == "prm_step" and module.kl_in_reward:
         raise ConfigError("advantage=prm_step reads rewards at step ends only, so kl_estimator.placement=in_reward "
                           "would drop the per-token KL: use kl_estimator.placement=as_loss")
@@ -711,10 +705,8 @@ def place_step_rewards(step_rewards: list[list[float]], step_ends: list[list[int
 def check_distill(distill: dict, advantage_name: str, teacher_role) -> None:
     """ConfigErrors naming the key for an `algorithm.distill` node that cannot run, before
     the teacher is loaded."""
-    if not (teacher_role.get("name_or_path") or teacher_role.get("init_from")):
-        raise ConfigError("algorithm.distill reads a teacher, but none is configured: set teacher=<an HF directory, "
-                          "a checkpoint or run directory, or tiny_concise / tiny_verbose> (or roles.teacher."
-                          "name_or_path / roles.teacher.init_from)")
+    has_teacher = bool(teacher_role.get("name_or_path") or teacher_role.get("init_from"))
+    rules.refuse(rules.teacher_problem(True, has_teacher, "algorithm.distill"))
     if "mode" not in distill:
         raise ConfigError(f"algorithm.distill.mode is not set: one of {list(DISTILL_MODES)}")
     choices = {"mode": DISTILL_MODES, "mask": DISTILL_MASKS, "divergence": tuple(core.DISTILL_DIVERGENCES),
@@ -722,10 +714,7 @@ def check_distill(distill: dict, advantage_name: str, teacher_role) -> None:
     for key, allowed in choices.items():
         if key in distill and distill[key] not in allowed:
             raise ConfigError(f"algorithm.distill.{key}={distill[key]!r} is not one of {list(allowed)}")
-    if distill["mode"] == "reward" and advantage_name == "gae":
-        raise ConfigError("algorithm.distill.mode=reward adds each token's distillation reward to its advantage as "
-                          "it is; advantage=gae would need it in a critic's returns: use a group advantage "
-                          "(group_norm, group_mean, rloo) or distill.mode=full / loss")
+    rules.refuse(rules.distill_reward_problem(distill["mode"], advantage_name))
     schedule = dict(distill.get("coef_schedule") or {"name": "constant"})
     try:
         core.scheduled_coef(schedule.pop("name", None), 0, start=distill.get("coef", 0.0), **schedule)

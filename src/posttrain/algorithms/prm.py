@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForTokenClassification
 
 from posttrain.algorithms.base import OfflineModule
 from posttrain.algorithms.reward_model import one_label_head_on
@@ -30,8 +31,6 @@ from posttrain.errors import ConfigError
 def token_classifier(causal_lm, tokenizer):
     """``<Arch>ForTokenClassification`` (num_labels=1, pad_token_id set) holding the body of
     ``causal_lm``; its ``score`` head starts as Hugging Face initialises it (small normal)."""
-    from transformers import AutoModelForTokenClassification
-
     return one_label_head_on(causal_lm, tokenizer, AutoModelForTokenClassification, "algorithm=prm")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import AutoModelForSequenceClassification
 
 from posttrain.algorithms.base import OfflineModule
 from posttrain.algorithms.preference import pair_sums
@@ -29,8 +30,6 @@ from posttrain.models.lora import has_adapter
 def sequence_classifier(causal_lm, tokenizer):
     """``<Arch>ForSequenceClassification`` (num_labels=1, pad_token_id set) holding the body of
     ``causal_lm``; its ``score`` head starts as Hugging Face initialises it (small normal)."""
-    from transformers import AutoModelForSequenceClassification
-
     return one_label_head_on(causal_lm, tokenizer, AutoModelForSequenceClassification, "algorithm=reward_model")
 
 

@@ -24,6 +24,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+import torch
+
 from posttrain.distributed.collectives import device_count
 from posttrain.errors import ConfigError
 
@@ -56,7 +58,7 @@ def parameter_count(name_or_path: str) -> int | None:
     """Parameters of the causal LM at `name_or_path` (tied weights once), from its config
     alone on the meta device; None when the config cannot be read (the loader, which runs
     next, then reports why with the key that named it)."""
-    import torch
+    # start-up: transformers loads only when a pretrained model's size is asked for
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -143,12 +145,10 @@ def world_size(cfg) -> int:
 def device_memory(cfg) -> tuple[int, str] | None:
     """(bytes free, the device in words) for the run's accelerator, or None where this check
     does not know how to ask (MPS, TPU, a custom accelerator)."""
-    import torch
-
     accelerator = cfg.trainer.get("accelerator", "auto")
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            return None  # config_checks refuses a CUDA accelerator without CUDA
+            return None  # config/trainer.py refuses a CUDA accelerator without CUDA
         index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
         free, _total = torch.cuda.mem_get_info(index)
         return free, f"cuda:{index} ({torch.cuda.get_device_name(index)}) has"

@@ -109,6 +109,7 @@ def answers_match(predicted: str | None, reference: str) -> bool:
     """Whether ``predicted`` and ``reference`` are the same answer (math-verify, else numbers)."""
     if predicted is None:
         return False
+    # start-up: math-verify loads only for math answers
     from math_verify import parse, verify
 
     # \boxed{} tells math-verify where the answer is: bare "\frac12" or "x^2" would not parse.
@@ -123,6 +124,7 @@ def answers_match(predicted: str | None, reference: str) -> bool:
 def serve_checks(check_name: str) -> None:
     """The worker process: reads one JSON [predicted, reference] a line on stdin, writes one
     JSON line ["ok", verdict] or ["error", message] on stdout, until stdin closes."""
+    # optional: probes for an installed package
     import importlib
 
     channel = os.fdopen(os.dup(1), "w")

@@ -12,6 +12,7 @@ from typing import Callable
 
 import lightning as L
 import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, IterableDataset
 
 from posttrain.data.examples import Example, PromptLimits
@@ -283,8 +284,6 @@ class PosttrainDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         if self.eval_on_pairs:
-            from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-
             # each held-out pair counted once over the ranks: Lightning's own sampler would repeat
             # pairs to even out the ranks' shares (it keeps a loader that already has one)
             pairs = self.source.pairs(self.eval_split)

@@ -47,6 +47,7 @@ def load_splits(path: str, config: str | None) -> tuple[dict, str]:
 
 
 def load_local(local: Path, config: str | None) -> dict:
+    # start-up: `datasets` loads only for hub data
     import datasets
 
     if local.is_dir() and config and (local / config).is_dir():
@@ -70,6 +71,7 @@ def load_local(local: Path, config: str | None) -> dict:
 
 
 def load_from_hub(name: str, config: str | None) -> dict:
+    # start-up: `datasets` loads only for hub data
     import datasets
 
     try:
@@ -87,6 +89,7 @@ def refuse_empty_files(local: Path) -> None:
     files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.suffix.lower() in LOCAL_BUILDERS)
     for file in files:
         if file.suffix.lower() == ".parquet":
+            # start-up: parquet support loads only for parquet files
             import pyarrow.parquet
 
             try:

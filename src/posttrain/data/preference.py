@@ -20,18 +20,13 @@ Two sources, picked by ``preference.source`` (conf/train.yaml):
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import random
-import re
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-from omegaconf import OmegaConf
 
-from posttrain.data.datamodule import collate_prompts, tokenizer_context, prompt_token_ids, right_padded
+from posttrain.data.datamodule import prompt_token_ids, right_padded, tokenizer_context
 from posttrain.data.examples import Example
 from posttrain.data.hub import load_splits
 from posttrain.data.templates import check_messages, last_user_content

@@ -22,21 +22,16 @@ give the Monte-Carlo labels' agreement with the truth. Rows are built once and c
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Sequence
 
 import torch
-from omegaconf import OmegaConf
 
-from posttrain.data.datamodule import collate_prompts, left_padded, prompt_token_ids, right_padded
-from posttrain.data.preference import SPLITS, PreferenceSource
+from posttrain.data.datamodule import prompt_text, right_padded
 from posttrain.data.examples import Example
-from posttrain.data.steps import source_step_rule, split_response
-from posttrain.errors import ConfigError, DataError
+from posttrain.data.preference import PreferenceSource
+from posttrain.data.steps import step_token_row
 
 log = logging.getLogger("posttrain")
 

@@ -5,9 +5,11 @@ several backward passes and optimiser steps inside one `training_step`; under FS
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
-
+from torch.distributed.tensor import DTensor
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -42,8 +44,6 @@ def average_gradients(parameters) -> None:
 
 
 def is_dtensor(x) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(x, DTensor)
 
 
@@ -69,8 +69,6 @@ def with_every_rank(checkpoint: dict, key: str, state) -> None:
     world = rank_and_world()[1]
     states = [state]
     if world > 1:
-        import torch.distributed as dist
-
         states = [None] * world
         dist.all_gather_object(states, state)
     checkpoint[key] = states[0]
@@ -88,7 +86,7 @@ def this_ranks(checkpoint: dict, key: str):
 
 def device_count(devices) -> int | None:
     """How many devices `trainer.devices` asks for on each node; None when Lightning decides."""
-    if is_int(devices) and devices >= 1:
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:  # YAML's true is not 1
         return devices
     if isinstance(devices, list):
         return len(devices)

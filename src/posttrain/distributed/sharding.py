@@ -31,8 +31,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from posttrain.errors import CheckpointError, ConfigError
 
@@ -60,8 +71,6 @@ class ShardingPolicy:
                               f"{list(FROZEN_ROLE_MODES)}")
 
     def mixed_precision(self):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         param_dtype = DTYPES[self.param_dtype] if self.param_dtype else None
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[self.reduce_dtype])
 
@@ -135,9 +144,6 @@ def policy_weights_from_distributed_checkpoint(path: Path, key: str) -> dict[str
     directory, read in one process with no process group (`dcp.load(no_dist=True)` assembles
     each tensor from every rank's shards), so `model.init_from` can start a run of any
     parallelism from an FSDP run's checkpoint. `key` names the setting in errors."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     prefix = "state_dict.policy."  # how DCP flattens {"state_dict": {"policy.<name>": ...}}
     try:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -162,15 +168,6 @@ def load_distributed_checkpoint(path: Path, model: nn.Module, optimizers, skip: 
     """Weights and optimiser states from a distributed checkpoint directory (written by any
     number of ranks: DCP reshards onto this run's mesh), in place; returns the rest of the
     checkpoint (counters, callbacks, the module's own keys) for Lightning's hooks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     weights = {k: v for k, v in get_model_state_dict(model).items() if not k.startswith(skip)}
     dcp.load({"state_dict": weights}, checkpoint_id=path)
     set_model_state_dict(model, weights, options=StateDictOptions(strict=False))  # the frozen roles are absent
@@ -189,8 +186,6 @@ def load_distributed_checkpoint(path: Path, model: nn.Module, optimizers, skip: 
 # --- applying the policy ------------------------------------------------------------------
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
@@ -233,8 +228,6 @@ def shard_module(module) -> None:
 def shard_lm(lm: nn.Module, mesh, policy: ShardingPolicy, trainable: bool, root: nn.Module | None = None) -> None:
     """fully_shard every decoder block of `lm`, then `root` (default: `lm` itself), which
     holds the rest (embeddings, final norm, heads) and is the module whose forward runs."""
-    from torch.distributed.fsdp import fully_shard
-
     root = root if root is not None else lm
     if trainable:
         # fp32 master weights: the optimiser steps on these, whatever the compute dtype
@@ -266,8 +259,6 @@ def full_weights(model: nn.Module):
     `full_weights` of the same model: a stage whose number of generate calls differs between
     ranks (dynamic sampling's extra rounds) gathers once around all of them, since a gather
     per call would be a collective that some ranks never join."""
-    from torch.distributed.fsdp import FSDPModule
-
     if getattr(model, "posttrain_gathered", False):
         yield model
         return
@@ -308,8 +299,6 @@ class GatheringEngine:
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The whole state dict of a sharded `model`, on CPU; every rank must call it (it
     gathers). With `rank0_only`, the other ranks get an empty dict."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     if not is_sharded(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
@@ -320,8 +309,6 @@ def consolidated_model(model: nn.Module) -> nn.Module | None:
     """What the Hugging Face export writes: `model` itself when it is not sharded, else an
     unsharded copy with the full weights on rank 0 (None on the other ranks), in the dtype the
     model was loaded in. Every rank must call it (it gathers)."""
-    import torch.distributed as dist
-
     if not is_sharded(model):
         return model
     state = full_state_dict(model, rank0_only=True)

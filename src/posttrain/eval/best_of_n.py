@@ -22,7 +22,9 @@ random@n towards oracle@n as n grows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import torch
+from rich.table import Table
 
 from posttrain import core
 from posttrain.data.steps import source_step_rule
@@ -31,14 +33,11 @@ from posttrain.rewards.prm import ORACLE_SCORES, ProcessRewardModel, check_prm_d
 from posttrain.rewards.reward_model import RewardModelScorer, check_reward_model_dir
 from posttrain.rewards.samples import rollout_samples
 
-if TYPE_CHECKING:  # torch loads when the work starts: the config checks come first
-    import torch
-
 PRM_AGGREGATES = ("last", "min", "product")  # columns bon/prm_<how>@n (core.aggregate_step_scores)
 METHODS = (*(f"prm_{how}" for how in PRM_AGGREGATES), "majority", "orm", "oracle", "random")  # table order
 
 
-# --- config checks: before anything heavy loads ----------------------------------------------
+# --- config checks ----------------------------------------------
 
 def subset_sizes(best_of_n) -> list[int]:
     """`best_of_n.n` as a sorted list of distinct positive ints ([] = best-of-N off)."""
@@ -123,8 +122,6 @@ class Judged:
 
     @staticmethod
     def join(parts: list["Judged"]) -> "Judged":
-        import torch
-
         return Judged(correct=torch.cat([part.correct for part in parts]),
                       answers=[row for part in parts for row in part.answers],
                       prm={how: torch.cat([part.prm[how] for part in parts]) for how in parts[0].prm},
@@ -133,8 +130,6 @@ class Judged:
 
 def judge(samples, source, judges: Judges, num_prompts: int) -> Judged:
     """Verifier, final answers, PRM aggregates and ORM score of P x N samples (prompt-major)."""
-    import torch
-
     shape = (num_prompts, len(samples) // num_prompts)
     correct = torch.tensor([float(source.is_correct(s.example, s.response)) for s in samples]).view(shape)
     answers = [source.final_answer(s.response) for s in samples]
@@ -166,8 +161,6 @@ def sample_and_judge(module, batch: dict, params, num_samples: int, generator, j
 def best_of_n_accuracies(judged: Judged, sizes: list[int], seed: int = 0) -> dict[str, float]:
     """`bon/<method>@<n>` for each n of `sizes`: held-out accuracy of each selector (module doc),
     the expectation over n-subsets of each prompt's N responses, averaged over prompts."""
-    import torch
-
     correct = judged.correct
     num_samples = correct.shape[1]
     generator = torch.Generator().manual_seed(seed)  # majority votes over many subsets are sampled
@@ -188,8 +181,6 @@ def best_of_n_accuracies(judged: Judged, sizes: list[int], seed: int = 0) -> dic
 
 def best_of_n_table(results: dict[str, float], sizes: list[int], title: str):
     """A rich Table: a row per n, a column per method that has results."""
-    from rich.table import Table
-
     methods = [m for m in METHODS if f"bon/{m}@{sizes[0]}" in results]
     table = Table(title=title)
     table.add_column("n", justify="right")

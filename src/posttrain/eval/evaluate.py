@@ -14,8 +14,6 @@ summary.json), unbiased pass@k from `num_samples` sampled responses per prompt, 
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import hydra

@@ -208,6 +208,7 @@ def seed_band(series: list[dict[int, float]]) -> tuple[list[int], list[float], l
 
 def draw_panel(ax, metric: str, title: str, scale: float, groups: dict[tuple, list[dict]], labels: list[str],
                smooth: int, x_label: str) -> None:
+    # start-up: plotting loads only when a report draws
     from matplotlib.ticker import MaxNLocator
 
     # held-out metrics are a few points each (every val_check_interval): markers, no smoothing
@@ -232,9 +233,11 @@ def draw_panel(ax, metric: str, title: str, scale: float, groups: dict[tuple, li
 
 def write_plots(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Path, smooth: int) -> list[str]:
     """One PNG per panel some run logged, and curves.png with all of them; returns the files."""
+    # start-up: plotting loads only when a report draws
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on a cluster node
+    # start-up: plotting loads only when a report draws
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 

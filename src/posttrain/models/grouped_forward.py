@@ -33,9 +33,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.functional import (FusedWeights, _unit_rms, additive_mask, final_logits, prompt_attention_bias,
-                                         real_token_positions, rotation, softmax_last, unsupported_reason,
-                                         without_adapter_wrapper)
+from posttrain.models.functional import (
+    FusedWeights,
+    _unit_rms,
+    additive_mask,
+    final_logits,
+    prompt_attention_bias,
+    real_token_positions,
+    rotation,
+    softmax_last,
+    unsupported_reason,
+    without_adapter_wrapper,
+)
 
 
 def grouped_forward_unsupported_reason(model: nn.Module) -> Optional[str]:

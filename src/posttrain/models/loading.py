@@ -10,9 +10,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from posttrain.distributed.sharding import (enable_activation_checkpointing, is_distributed_checkpoint,
-                                            policy_weights_from_distributed_checkpoint)
+from posttrain.distributed.sharding import (
+    enable_activation_checkpointing,
+    is_distributed_checkpoint,
+    policy_weights_from_distributed_checkpoint,
+)
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.lora import ADAPTER_CONFIG, apply_lora, has_adapter, holds_adapter_weights
 from posttrain.models.tiny import build_char_tokenizer, build_tiny_model
@@ -125,8 +129,6 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     ``self.attention_dropout`` and calls ``F.dropout`` with it), and the config itself
     (read by modules built later, and saved with the checkpoint).  Returns ``model``.
     """
-    from transformers import PretrainedConfig
-
     def zero_rates(obj) -> None:
         for name, value in list(vars(obj).items()):
             if _is_dropout_name(name) and isinstance(value, float):
@@ -145,8 +147,6 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def load_pretrained(name: str, key: str, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = _resolve_pretrained(name, key)
     if Path(source).is_dir():
         check_tokenizer_files(source, key, name)
@@ -226,7 +226,6 @@ def load_initial_weights(model, init_from: str, key: str = "model.init_from") ->
         state = policy_weights_from_distributed_checkpoint(path, key)
     elif path.is_dir():
         check_same_family(model, path, key, init_from)
-        from transformers import AutoModelForCausalLM
 
         try:
             state = AutoModelForCausalLM.from_pretrained(str(path), dtype=next(model.parameters()).dtype).state_dict()

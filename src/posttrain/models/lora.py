@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -60,6 +62,7 @@ def apply_lora(model: nn.Module, model_cfg) -> nn.Module:
     is off. The base's weights are frozen; the adapter's dropout is the configured one."""
     if not lora_enabled(model_cfg):
         return model
+    # start-up: PEFT loads only for a LoRA run
     from peft import LoraConfig, get_peft_model
 
     lora = model_cfg.lora
@@ -89,8 +92,6 @@ def holds_adapter_weights(path: str) -> bool:
     if path.is_dir():
         return (path / ADAPTER_CONFIG).is_file()
     if path.is_file() and path.suffix == ".ckpt":
-        import torch
-
         try:
             state = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("state_dict", {})
         except Exception:  # noqa: BLE001 - unreadable: load_initial_weights names the file
@@ -101,8 +102,6 @@ def holds_adapter_weights(path: str) -> bool:
 
 def adapter_base(directory: str) -> str | None:
     """Where an adapter export's base weights are: the `base_model_name_or_path` PEFT recorded."""
-    import json
-
     return json.loads((Path(directory) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
 
 

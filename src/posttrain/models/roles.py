@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from posttrain.models.forward import sequence_hidden_states
 from posttrain.errors import ConfigError
+from posttrain.models.forward import sequence_hidden_states
 from posttrain.models.loading import DTYPES, disable_dropout, load_initial_weights, load_pretrained
 from posttrain.models.lora import copy_without_adapter
 

@@ -6,8 +6,9 @@ output reloads with `AutoTokenizer` / `AutoModelForCausalLM` and generates.
 
 from __future__ import annotations
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
@@ -45,9 +46,6 @@ def build_tiny_model(
     seed: int = 0,
 ):
     """A random-init Qwen2- or Llama-style causal LM of the given size (float32)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
     if architecture not in families:
         raise ValueError(f"model.architecture={architecture!r} is not one of {sorted(families)}")

@@ -21,12 +21,13 @@ import hashlib
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+from transformers import AutoTokenizer
 
 from posttrain.conf import CONFIG_DIR
 from posttrain.data.arithmetic import Problem
 from posttrain.data.sources import build_source
 from posttrain.errors import CheckpointError, ConfigError
-from posttrain.models.loading import check_tokenizer_files, first_line_of, load_tokenizer_and_model
+from posttrain.models.loading import _looks_like_path, check_tokenizer_files, first_line_of, load_tokenizer_and_model
 from posttrain.models.lora import export_model
 from posttrain.prepare.cache import built_once, code_version
 from posttrain.prepare.warm_start import Train, cached_sft_model, sft_plan
@@ -150,8 +151,6 @@ def exported_teacher(cfg: DictConfig, teacher: str, weights: Path, model_cfg: Di
 # --- the tokenizer check --------------------------------------------------------------------
 
 def load_teacher_tokenizer(directory: str, teacher: str):
-    from transformers import AutoTokenizer
-
     local = Path(directory).is_dir()
     if local:
         check_tokenizer_files(directory, "teacher", teacher)

@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from posttrain import core
-from posttrain.data.datamodule import prompt_text, right_padded
-from posttrain.data.steps import source_step_rule, split_text, step_token_row
+from posttrain.data.datamodule import right_padded
+from posttrain.data.process import prm_row
+from posttrain.data.steps import source_step_rule, split_text
 from posttrain.errors import ConfigError
 from posttrain.models.loading import first_line_of
 from posttrain.rewards.base import ScoredSample
@@ -163,8 +165,6 @@ def check_prm_dir(directory, key: str) -> None:
 
 def load_prm(directory: str, key: str):
     """(the frozen token-classification PRM in eval mode, its tokenizer)."""
-    from transformers import AutoModelForTokenClassification, AutoTokenizer
-
     check_prm_dir(directory, key)
     path = str(Path(directory).expanduser())
     try:

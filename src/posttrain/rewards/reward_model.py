@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from posttrain.core import ensemble_lower_bound
 from posttrain.data.datamodule import prompt_text, prompt_token_ids, right_padded
 from posttrain.errors import ConfigError
-from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, first_line_of, declared_context
+from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, declared_context, first_line_of
 from posttrain.rewards.base import ScoredSample
 
 KEY = "reward.components.reward_model"
@@ -193,8 +194,6 @@ def has_tokenizer(directory: str) -> bool:
 
 
 def load_tokenizer(directory: str, key: str):
-    from transformers import AutoTokenizer
-
     if not has_tokenizer(directory):
         raise ConfigError(f"{key}={directory!r} holds no tokenizer (looked for {', '.join(TOKENIZER_FILES)}); save "
                           f"it there, or set {KEY}.share_tokenizer=true to use the policy's")
@@ -217,8 +216,6 @@ def check_same_vocabulary(directory: str, key: str, policy_tokenizer) -> None:
 
 def load_reward_model(directory: str, key: str, dtype: torch.dtype):
     """The frozen sequence classifier of `directory`, in eval mode, without gradients."""
-    from transformers import AutoModelForSequenceClassification
-
     try:
         model = AutoModelForSequenceClassification.from_pretrained(str(Path(directory).expanduser()), dtype=dtype)
     except (OSError, ValueError) as err:

@@ -25,6 +25,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from posttrain.models.functional import (
+    FunctionalDecoder,
+    real_token_positions,
+    unsupported_reason,
+    without_adapter_wrapper,
+)
+
 from .base import (
     RolloutBatch,
     SamplingParams,
@@ -34,7 +41,6 @@ from .base import (
     finalize_rollout,
     sample_next_token,
 )
-from posttrain.models.functional import FunctionalDecoder, real_token_positions, unsupported_reason, without_adapter_wrapper
 from .repetition import RepetitionDetector
 
 log = logging.getLogger(__name__)

@@ -71,10 +71,12 @@ _live_engine: Optional[weakref.ref] = None
 def import_vllm():
     """The vllm package, or a ConfigError saying what to install."""
     try:
+        # optional: vLLM is the CUDA-only `vllm` extra
         import vllm
     except ImportError as err:
         raise ConfigError(f"rollout=vllm needs the vllm package (pip install 'posttrain[vllm]', on a machine with "
                           f"a CUDA GPU): {err}") from None
+    # optional: only the vLLM engine checks versions
     from packaging.version import Version
 
     if Version(vllm.__version__).release < Version(MIN_VLLM_VERSION).release:
@@ -120,6 +122,7 @@ def export_model_config(model: nn.Module, directory: str) -> None:
 def preserved_global_rng() -> Iterator[None]:
     """vLLM seeds the process's global RNGs (torch, CUDA, random, numpy) when it starts; in
     the training process that would reset the trainer's streams, so they are put back."""
+    # optional: only the vLLM engine converts arrays
     import numpy as np
 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -289,6 +292,7 @@ class VLLMEngine:
         self._check_fits(prompts, params.max_new_tokens)
         with_logprobs = self._logprobs_expressible(params)
         vllm = import_vllm()
+        # optional: vLLM is the CUDA-only `vllm` extra
         from vllm.inputs import TokensPrompt
 
         requests = self._request_params(vllm, params, eos.tolist(), len(prompts), generator)

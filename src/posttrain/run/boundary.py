@@ -8,7 +8,6 @@ chose; anything else is a bug, printed once with its traceback (also kept in the
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 from collections.abc import Callable
@@ -17,12 +16,8 @@ from pathlib import Path
 from omegaconf.errors import OmegaConfBaseException
 
 from posttrain.errors import PosttrainError, PreemptedError
-from posttrain.run.console import setup_console
+from posttrain.run.console import log, setup_console
 from posttrain.run.run_dir import remove_unused_run_dir
-
-# What the user must see goes through this logger: Hydra's logging config sends it to the
-# console and to the run's log file.
-log = logging.getLogger("posttrain")
 
 # Lightning warnings that our setup triggers by design, silenced so real ones stand out:
 # the frozen reference model is in eval mode; RL modules optimise manually and checkpoint

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import Callback, ProgressBar
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar
+from omegaconf import DictConfig
 from rich import get_console
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column
 from rich.text import Text
 
+from posttrain.errors import ConfigError
 from posttrain.run.history import MetricsHistory
 
 
@@ -199,8 +203,6 @@ class _BarAndMetrics(Progress):
 
 
 def build_callbacks(cfg: DictConfig, output_dir: Path) -> list:
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-
     callbacks = [
         ModelCheckpoint(
             dirpath=str(output_dir / "checkpoints"), filename="step{step:06d}", auto_insert_metric_name=False,

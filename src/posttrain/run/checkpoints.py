@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from posttrain.distributed.sharding import is_distributed_checkpoint
@@ -53,8 +54,6 @@ def checkpoint_step(path: Path) -> int | None:
     (Memory-mapped: the tensors are not read, so this is cheap even for large models.) A
     sharded checkpoint (trainer=fsdp) is a directory whose `meta.pt`, written by rank 0 after
     every shard, holds the step: without it the save did not finish."""
-    import torch
-
     try:
         if path.is_dir():
             return int(torch.load(path / "meta.pt", map_location="cpu", weights_only=False)["global_step"])
@@ -68,8 +67,6 @@ def check_checkpoint_algorithm(ckpt_path: str, cfg: DictConfig) -> dict | None:
     """Refuse, before anything is built, a checkpoint written by another algorithm; returns
     the shapes of its weights for `check_checkpoint_shapes` (None for a sharded checkpoint,
     whose loader checks them). (Memory-mapped: cheap to read.)"""
-    import torch
-
     sharded = Path(ckpt_path).is_dir()
     checkpoint = torch.load(Path(ckpt_path) / "meta.pt" if sharded else ckpt_path, map_location="cpu",
                             mmap=not sharded, weights_only=False)

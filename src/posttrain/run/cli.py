@@ -12,6 +12,7 @@ def resume_arguments(arguments: list[str]) -> list[str]:
     """`posttrain resume=<run dir> [overrides]` -> that run's own command line: its saved
     overrides (.hydra/overrides.yaml) replayed, later overrides winning, into the same run
     directory, from its last checkpoint. Other command lines are returned as they are."""
+    # start-up: the command line is parsed before this loads
     import yaml
 
     requested = [a for a in arguments if a.startswith("resume=")]
@@ -51,6 +52,7 @@ def sweep_arguments(arguments: list[str]) -> list[str]:
     algorithm (sft has no group_size) before any job starts. Overrides of keys under a swept
     group become `++` overrides (set, or add where missing: Hydra's own remedy); every job
     still composes its own config, and validation names a key its algorithm does not take."""
+    # start-up: the command line is parsed before this loads
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 

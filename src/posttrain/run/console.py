@@ -10,11 +10,24 @@ libraries set up for themselves at import time. `wandb_settings()` is what W&B g
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import sys
+from pathlib import Path
+
+import rich
+import rich.syntax
+import rich.tree
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
 
 from posttrain.files import save_config_atomic
+
+# What the user must see goes through this logger: Hydra's logging config sends it to the
+# console and to the run's log file.
+log = logging.getLogger("posttrain")
 
 # Lightning INFO lines that say nothing about this run: hardware availability (the trainer
 # config says what is used), adverts for Lightning's cloud products, the process-group
@@ -71,7 +84,9 @@ def _strip_final_newline(record: logging.LogRecord) -> bool:
 def setup_console() -> None:
     """Quiet the libraries a run imports; call it once logging is configured (Hydra's job
     logging), before training. Safe to call again (each job of a local multirun)."""
-    import lightning  # noqa: F401  (imported now so that the handlers it adds on import exist)
+    # start-up: torch loads once Hydra has composed the job (Lightning is imported now so that
+    # the handlers it adds on import exist)
+    import lightning  # noqa: F401
     from transformers.utils import logging as transformers_logging
 
     if logging.getLogger().handlers:  # configured: let the root's handlers print Lightning's records
@@ -102,10 +117,6 @@ def wandb_settings(mode: str) -> dict:
 def render(renderable, width: int = 80) -> str:
     """A rich table (or any renderable) as plain text, for the log: printed to the console by
     the log's handler, and kept in the run's log file."""
-    import io
-
-    from rich.console import Console
-
     console = Console(file=io.StringIO(), width=width)
     console.print(renderable)
     return console.file.getvalue().rstrip()
@@ -117,9 +128,6 @@ PRINT_ORDER = ("algorithm", "kl_estimator", "advantage", "reward", "data_curricu
 
 def print_config_tree(cfg: DictConfig) -> None:
     """The resolved config as a rich tree, one branch per config group."""
-    import rich
-    import rich.syntax
-    import rich.tree
 
     tree = rich.tree.Tree("config", style="dim")
     keys = [k for k in PRINT_ORDER if k in cfg] + [k for k in cfg if k not in PRINT_ORDER]
@@ -149,7 +157,6 @@ def announce_run(cfg: DictConfig, choices: dict[str, str], output_dir: Path, ckp
 def print_before_after(summary: dict) -> None:
     if "eval/accuracy_start" not in summary or "eval/accuracy" not in summary:
         return
-    from rich.table import Table
 
     table = Table(title="held-out evaluation (greedy)")
     for column in ("", "start", "end", "change"):

@@ -26,10 +26,12 @@ def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
     if backend == "none":
         return False
     if backend == "csv":
+        # start-up: the command line is parsed before this loads
         from lightning.pytorch.loggers import CSVLogger
 
         return CSVLogger(save_dir=str(output_dir), name="csv", version="")
     if backend == "wandb":
+        # start-up: W&B loads only for logger=wandb
         import wandb
         from lightning.pytorch.loggers import WandbLogger
 
@@ -52,6 +54,7 @@ def finish_logger(logger, failed: bool) -> None:
     """End this job's tracking run. W&B keeps one run per process until it is finished, and
     a later WandbLogger silently reuses it: without this every job after the first of a
     local multirun (basic launcher, all jobs in one process) would log into the first's run."""
+    # start-up: the command line is parsed before this loads
     from lightning.pytorch.loggers import WandbLogger
 
     if isinstance(logger, WandbLogger) and logger._experiment is not None:  # None: never started
@@ -61,6 +64,7 @@ def finish_logger(logger, failed: bool) -> None:
 def wandb_run_id(output_dir: Path) -> str:
     """The id of the W&B run of this run directory, made at its first start and kept in
     <run dir>/wandb_run_id.txt, so `posttrain resume=<run dir>` logs into the same W&B run."""
+    # start-up: the command line is parsed before this loads
     import uuid
 
     record = output_dir / "wandb_run_id.txt"
@@ -102,6 +106,7 @@ def sweep_dir_of(output_dir: Path) -> Path | None:
     """The sweep directory of a multirun job, None for a single run. A resumed sweep job
     (`posttrain resume=<run dir>`) runs as a single run into its old run dir: it is known by
     the multirun.yaml Hydra wrote in the run dir's parent, so it keeps its sweep's group."""
+    # start-up: the command line is parsed before this loads
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -129,6 +134,7 @@ def sweeps_task(sweep_dir: Path) -> bool:
     """Whether the sweep's jobs may have different task names: its command line (multirun.yaml,
     written by Hydra before the first job) sweeps a key the task name comes from. Unknown
     (no multirun.yaml): assumed so, which keeps one group for the sweep."""
+    # start-up: the command line is parsed before this loads
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     record = sweep_dir / "multirun.yaml"

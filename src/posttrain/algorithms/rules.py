@@ -1,0 +1,75 @@
+"""The rules of an online-RL configuration, each stated once over plain values.
+
+Two places enforce them: `OnlineRLModule.__init__` (algorithms/online.py) raises a broken rule
+as a ConfigError when a module is built (tests and scripts build modules without the start-up
+check), and config/ reports it beside every other problem of the composed config before
+anything is built. Each function answers with the problem in words, or None when the values
+fit; `refuse` raises the first problem. The words are the start-up check's, so a user reads
+the same sentence whichever side finds it first.
+"""
+
+from __future__ import annotations
+
+from posttrain.errors import ConfigError
+
+
+def refuse(*problems: str | None) -> None:
+    """Raise the first problem found, as a ConfigError; nothing when every rule holds."""
+    for problem in problems:
+        if problem:
+            raise ConfigError(problem)
+
+
+def uses_kl(name: str, coef: float) -> bool:
+    """Whether the run has a KL term: an estimator is chosen and its weight is above 0."""
+    return name != "none" and coef > 0
+
+
+def gae_critic_problem(advantage: str, has_critic: bool) -> str | None:
+    """GAE reads a critic's values, and a critic learns only from GAE's returns: one needs the other."""
+    if (advantage == "gae") == has_critic:
+        return None
+    return ("advantage=gae needs a critic and a critic needs advantage=gae: use algorithm=ppo, or another "
+            f"advantage (got advantage={advantage}, algorithm.critic={'set' if has_critic else 'null'})")
+
+
+def sampling_mask_problem(keep_sampling_mask: bool, top_k: int, top_p: float) -> str | None:
+    """The kept sampling mask is the sampler's top-k / top-p support: without a filter there is none."""
+    if not (keep_sampling_mask and top_k == 0 and top_p >= 1.0):
+        return None
+    return ("algorithm.keep_sampling_mask=true renormalises over the sampler's top-k / top-p support, but "
+            "neither filter is on: set rollout.top_k > 0 or rollout.top_p < 1, or keep_sampling_mask=false")
+
+
+def kl_placement_problem(name: str, coef: float, placement) -> str | None:
+    """A KL term in use is either subtracted from the reward or added to the loss."""
+    if not uses_kl(name, coef) or placement in ("in_reward", "as_loss"):
+        return None
+    return (f"kl_estimator.placement={placement!r} is not valid with kl_estimator={name}: expected 'in_reward' "
+            f"or 'as_loss'")
+
+
+def prm_step_problem(advantage: str, has_process_reward: bool) -> str | None:
+    """advantage=prm_step credits each step with the reward a process reward model gave it."""
+    if advantage != "prm_step" or has_process_reward:
+        return None
+    return ("advantage=prm_step credits each step with a process reward model's reward, but the reward has none: use "
+            "reward=prm (prm=oracle | learned), or group_norm, group_mean, rloo, reinforce_pp, "
+            "reinforce_pp_baseline, or gae with a critic (algorithm=ppo)")
+
+
+def teacher_problem(distilling: bool, has_teacher: bool, subject: str) -> str | None:
+    """A distillation weight above 0 reads a teacher. `subject` names what distils, e.g. algorithm=opd."""
+    if not distilling or has_teacher:
+        return None
+    return (f"{subject} distils from a teacher, but none is configured: set teacher=<an HF directory, "
+            f"a checkpoint or run directory, or tiny_concise / tiny_verbose>")
+
+
+def distill_reward_problem(mode, advantage: str) -> str | None:
+    """A per-token distillation reward is added to the advantage as it is: a critic's returns never see it."""
+    if mode != "reward" or advantage != "gae":
+        return None
+    return ("algorithm.distill.mode=reward adds each token's distillation reward to its advantage as it is, but "
+            "advantage=gae would need it in a critic's returns: use a group advantage (group_norm, group_mean, "
+            "rloo), or algorithm.distill.mode=full or loss")

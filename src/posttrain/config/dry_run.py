@@ -1,0 +1,115 @@
+"""The dry runs: the checks the builders do themselves (the algorithm's arguments, the core
+formulas' options on a dummy batch, the reward's components, the curriculum's options), run on
+the config at start-up. Without them such a problem would surface only when the builder runs,
+after the SFT warm start has trained. config/check.py runs them only when every value and
+rule passed, so they never see a value of the wrong type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from types import SimpleNamespace
+
+from omegaconf import DictConfig, OmegaConf
+
+from posttrain.algorithms import rules
+from posttrain.algorithms.online import KL_PLACEMENT_KEYS, OnlineRLModule, check_core_options
+from posttrain.data.curriculum import CURRICULA
+from posttrain.errors import ConfigError
+from posttrain.rewards import build_reward
+
+# Arguments `train.build_module` passes to the algorithm's module itself, and algorithm keys
+# it does not pass (train.py reads them).
+SUPPLIED_ARGUMENTS = ("self", "policy", "tokenizer", "source", "rollout", "eval_max_new_tokens", "kl_estimator",
+                      "advantage", "reward", "data_curriculum", "roles", "cache_dir", "seed")
+NOT_MODULE_ARGUMENTS = ("_target_", "name", "kind", "warm_start")
+# The policy loss options, as OnlineRLModule.__init__ gathers them into `loss_options`.
+LOSS_OPTION_KEYS = ("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp", "seq_log_ratio_clamp",
+                    "ratio_level", "tau_pos", "tau_neg", "kimi_tau")
+
+
+def import_target(path: str):
+    module_path, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module_path), name)
+
+
+def unknown_arguments(key: str, constructor, given: list[str], supplied: tuple[str, ...] = ()) -> list[str]:
+    """Keys of a node that `constructor` does not take (it would fail with a TypeError)."""
+    params = inspect.signature(constructor).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    valid = [name for name in params if name not in supplied]
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return []
+    return [f"{key}: unknown key(s) {unknown}; valid keys: {', '.join(valid)}"]
+
+
+def algorithm_problems(cfg: DictConfig) -> list[str]:
+    target = cfg.algorithm.get("_target_")
+    try:
+        module_class = import_target(target)
+    except Exception as err:  # a missing module or name, or the module failing on import
+        return [f"algorithm._target_={target!r} cannot be imported: {type(err).__name__}: {err}"]
+    given = [k for k in cfg.algorithm if k not in NOT_MODULE_ARGUMENTS]
+    problems = unknown_arguments("algorithm", module_class, given, SUPPLIED_ARGUMENTS)
+    params = inspect.signature(module_class).parameters
+    missing = [name for name, p in params.items()
+               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and name not in SUPPLIED_ARGUMENTS and name not in given]
+    if missing:
+        problems.append(f"algorithm: missing key(s) {missing} that {target} needs")
+    return problems
+
+
+def core_option_problems(cfg: DictConfig) -> list[str]:
+    """The advantage, policy loss and KL options on a dummy batch (online.check_core_options),
+    from the config rather than from a built module."""
+    defaults = {name: p.default for name, p in inspect.signature(OnlineRLModule).parameters.items()}
+    algorithm = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items()}
+    setting = lambda key: algorithm.get(key, defaults[key])  # noqa: E731 - a module argument or its default
+    kl = OmegaConf.to_container(cfg.kl_estimator, resolve=True)
+    uses_kl = rules.uses_kl(kl["name"], kl.get("coef", 0))
+    stand_in = SimpleNamespace(
+        advantage_name=cfg.advantage.name,
+        advantage_options={k: v for k, v in OmegaConf.to_container(cfg.advantage, resolve=True).items() if k != "name"},
+        policy_loss=setting("policy_loss"),
+        loss_options={key: setting(key) for key in LOSS_OPTION_KEYS},
+        aggregation=dict(agg_mode=setting("loss_agg_mode"), count_empty_rows=setting("count_empty_rows"),
+                         norm_constant=setting("norm_constant") or cfg.rollout.max_new_tokens),
+        uses_reference=uses_kl,
+        kl_name=kl["name"],
+        kl_options={k: v for k, v in kl.items() if k not in KL_PLACEMENT_KEYS},
+    )
+    try:
+        check_core_options(stand_in)
+    except ConfigError as err:
+        return [str(err)]
+    return []
+
+
+def reward_problems(cfg: DictConfig) -> list[str]:
+    """Build the reward (imports user functions, checks each component's options); scoring
+    needs no task source, so none is given."""
+    try:
+        build_reward(cfg.reward, None, cfg.rollout.max_new_tokens)
+    except ConfigError as err:
+        return [str(err)]
+    return []
+
+
+def curriculum_problems(cfg: DictConfig) -> list[str]:
+    name = cfg.data_curriculum.name
+    given = [k for k in cfg.data_curriculum if k != "name"]
+    return unknown_arguments(f"data_curriculum={name}", CURRICULA[name], given, ("self", "cursor", "cache_dir"))
+
+
+def dry_run_problems(cfg: DictConfig) -> list[str]:
+    problems = algorithm_problems(cfg)
+    if problems or cfg.algorithm.kind != "online":
+        return problems
+
+    if not issubclass(import_target(cfg.algorithm._target_), OnlineRLModule):
+        return problems  # another online module: its own checks apply
+    return core_option_problems(cfg) + reward_problems(cfg) + curriculum_problems(cfg)

@@ -1,0 +1,53 @@
+"""What `reward.*` accepts (conf/reward/: the components of the composite reward, their
+weights and options), and the rule that a reward model's path has a component to read it.
+A component's own options are checked against its function by the dry run (dry_run.py)."""
+
+from __future__ import annotations
+
+from posttrain.config.spec import (Spec, Values, anything, boolean, choice, integer, list_of, mapping, number, optional,
+                                   pattern, rule, text)
+from posttrain.rewards.composite import ON_ERROR_MODES
+
+# `*` patterns are tried in the order written: reward.components.*.weight before .*.*
+SPECS: dict[str, Spec] = {
+    "reward.name": text(),
+    "reward.on_error": choice(*ON_ERROR_MODES),
+    "reward.failure_score": number(),
+    "reward.components": mapping("{accuracy: {weight: 1.0}}", non_empty=True),
+    "reward.components.overlong.cache_len": integer(0).about("tokens"),
+    "reward.components.overlong.max_len": optional(integer(1)).about("tokens; null: rollout.max_new_tokens"),
+    "reward.components.format.match_score": number(),
+    "reward.components.format.miss_score": number(),
+    "reward.components.length_penalty.warmup": integer(0).about("rollout batches before the length reward switches on"),
+    "reward.components.length_penalty.only_groups_with_a_correct_answer": boolean().about(
+        "0 in a group with no right answer (false: Kimi's formula)"),
+    "reward.path": optional(text()).about("a reward model directory (reward=reward_model)"),
+    "reward.paths": optional(list_of(text())).about("reward model directories: an ensemble"),
+    "reward.components.reward_model.path": optional(text()).about("a reward model directory"),
+    "reward.components.reward_model.paths": optional(list_of(text())).about("reward model directories: an ensemble"),
+    "reward.components.reward_model.std_coef": number(0).about("k of an ensemble's mean - k * std"),
+    "reward.components.reward_model.batch_size": integer(1).about("rows per reward-model forward"),
+    "reward.components.reward_model.share_tokenizer": boolean(),
+    "reward.components.prm.step_reward": choice("marginal", "raw", "min").about(
+        "step rewards from PRM scores: s_k - s_(k-1) | s_k | PURE's min-form"),
+    "reward.components.prm.model": choice("oracle", "learned").about("the PRM (from the prm group)"),
+    "reward.components.prm.path": optional(text()).about("a learned PRM's directory"),
+    "reward.components.prm.oracle_score": choice("prefix", "step"),
+    "reward.components.prm.batch_size": integer(1).about("rows per PRM forward"),
+    "reward.components.*": mapping("{weight: 1.0} (drop a component with ~reward.components.<name>)"),
+    "reward.components.*.weight": number(),
+    "reward.components.*.target": pattern(r"[\w.]+\.\w+", "a dotted path 'package.module.function'"),
+    # a component's own options: checked against its function's signature by the dry run (dry_run.py)
+    "reward.components.*.*": anything(),
+}
+
+
+@rule
+def a_reward_model_path_needs_the_reward_model_component(v: Values):
+    """reward.path / reward.paths only feed reward.components.reward_model: without it they'd be ignored."""
+    components = v.get("reward.components")
+    for key in ("reward.path", "reward.paths"):
+        if v.get(key) and isinstance(components, dict) and "reward_model" not in components:
+            yield (f"{key} is set, but the reward has no reward_model component to read it "
+                   f"(reward.components: {sorted(components)}); use reward=reward_model, or add "
+                   f"+reward.components.reward_model.{key.rpartition('.')[2]}=...")

@@ -1,0 +1,75 @@
+"""What `rollout.*` accepts (conf/rollout/: the sampling engine and its settings), and the
+rules about what a rollout engine can run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from posttrain.config.spec import POSITIVE, Spec, Values, boolean, choice, integer, number, optional, rule
+from posttrain.config.trainer import is_sharded_strategy
+from posttrain.distributed.collectives import device_count
+from posttrain.models.loading import DTYPES
+from posttrain.rollout import ALL_ROLLOUT_ENGINES
+from posttrain.rollout.vllm import SLEEP_LEVELS
+
+SPECS: dict[str, Spec] = {
+    "rollout.engine": choice(*ALL_ROLLOUT_ENGINES),
+    "rollout.temperature": POSITIVE,
+    "rollout.top_p": number(0, 1, low_open=True).about("1: off"),
+    "rollout.top_k": integer(0).about("0: off"),
+    "rollout.max_new_tokens": integer(1).about("generation budget in tokens"),
+    "rollout.prm_stop_below": optional(number()).about("cut a response after a step the PRM scores below this; "
+                                                       "null: off"),
+    "rollout.repetition.ngram": optional(integer(1)).about("longest repeated block looked for, in tokens; null: off"),
+    "rollout.repetition.window": integer(2).about("a loop fills the last window tokens; >= 2 x ngram"),
+    # rollout=vllm's engine settings (rollout/vllm.py)
+    "rollout.gpu_memory_utilization": number(0, 1, low_open=True).about("fraction of the GPU's memory for vLLM"),
+    "rollout.max_model_len": optional(integer(1)).about("prompt + response tokens; null: the model's context"),
+    "rollout.dtype": choice("auto", *DTYPES).about("vLLM's compute dtype; auto: the policy's"),
+    "rollout.enforce_eager": boolean().about("true: no CUDA graphs"),
+    "rollout.sleep_level": choice(*SLEEP_LEVELS).about("0: stay awake between rollouts; 1: weights to CPU; "
+                                                       "2: weights freed"),
+}
+
+
+@rule
+def repetition_window_holds_two_blocks(v: Values):
+    ngram, window = v.get("rollout.repetition.ngram"), v.get("rollout.repetition.window")
+    if ngram is not None and window is not None and window < 2 * ngram:
+        yield (f"rollout.repetition.window={window} must be at least 2 x rollout.repetition.ngram = {2 * ngram}, "
+               f"so that a block is repeated at least twice")
+
+
+@rule
+def vllm_rollout_can_run(v: Values):
+    """rollout=vllm runs one vLLM engine beside the policy, on the GPU of the one training
+    process, and reports log-probs in two conventions only (rollout/vllm.py)."""
+    if v.get("rollout.engine") != "vllm":
+        return
+    missing = [what for what, present in (("a CUDA GPU", torch.cuda.is_available()),
+                                          ("the vllm package", importlib.util.find_spec("vllm") is not None))
+               if not present]
+    if missing:
+        yield (f"rollout=vllm needs a CUDA GPU and the vllm package (pip install 'posttrain[vllm]'); this machine "
+               f"lacks {' and '.join(missing)}: use rollout=fast")
+    if v.get("trainer.accelerator", "auto") == "cpu":
+        yield ("rollout=vllm generates on the GPU next to the policy, but trainer.accelerator='cpu' trains it on the "
+               "CPU: use trainer=default (accelerator auto) with rollout=vllm")
+    processes = (device_count(v.get("trainer.devices", 1)) or 1) * v.get("trainer.num_nodes", 1)
+    if processes > 1:
+        yield (f"rollout=vllm runs one engine inside a single training process, but trainer.devices x "
+               f"trainer.num_nodes = {processes} processes (trainer=ddp / fsdp) were asked for; use one device, or "
+               f"rollout=fast")
+    if is_sharded_strategy(v):
+        yield ("rollout=vllm copies the policy's whole weights into its engine, but trainer=fsdp shards them; use "
+               "trainer=default, or rollout=fast with trainer=fsdp")
+    if v.online() and v.get("algorithm.keep_sampling_mask"):
+        yield ("algorithm.keep_sampling_mask=true needs the sampler's kept top-k/top-p support, which rollout=vllm "
+               "does not report; use rollout=fast, or keep_sampling_mask=false")
+    if (v["rollout.top_k"] > 0 or v["rollout.top_p"] < 1.0) and v["rollout.temperature"] != 1.0:
+        yield (f"rollout=vllm with rollout.top_k={v['rollout.top_k']} / rollout.top_p={v['rollout.top_p']} needs "
+               f"rollout.temperature=1 (got {v['rollout.temperature']}): vLLM reports log-probs at temperature 1 or "
+               f"renormalised over the top-k/top-p support, not posttrain's log_softmax(logits / T) over the full "
+               f"vocabulary")

@@ -1,0 +1,111 @@
+"""What `trainer.*` accepts (conf/trainer/: Lightning Trainer arguments; keys not listed here
+are Lightning's to check), and the rules about processes, devices and the optimiser step."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+from posttrain.config.spec import (Spec, Values, boolean, choice, either, integer, is_int, list_of, mapping, optional,
+                                   pattern, rule, text)
+from posttrain.distributed.collectives import device_count
+
+DURATION = pattern(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}", "a duration 'DD:HH:MM:SS'")
+# Lightning's precision names (lightning.fabric.plugins.precision.precision._PRECISION_INPUT).
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine",
+              "transformer-engine-float16", "32", "16", "64", "bf16", 32, 16, 64)
+# Lightning's accelerator names (AcceleratorRegistry, plus its aliases "auto" and "gpu").
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+
+
+def lightning_strategy(value) -> bool:
+    return isinstance(value, dict) or value == "auto" or value in StrategyRegistry.available_strategies()
+
+
+SPECS: dict[str, Spec] = {
+    "trainer._target_": text(),
+    "trainer.accelerator": either(choice(*ACCELERATORS), mapping("{_target_: ...}"),
+                                  expected=f"one of {', '.join(map(repr, ACCELERATORS))}"),
+    "trainer.devices": either(integer(1), choice(-1, "auto"), list_of(integer(0)),
+                              pattern(r"\s*\d+\s*(,\s*\d+\s*)*,?", ""),
+                              expected="a positive integer, -1 (all), 'auto', or a list of device indices"),
+    "trainer.num_nodes": integer(1),
+    "trainer.precision": choice(*PRECISIONS),
+    "trainer.max_steps": integer(1).about("optimiser steps"),
+    # a budget in rollout batches (sweeps/): one epoch of limit_train_batches, max_steps a cap
+    "trainer.max_epochs": optional(integer(1)).about("sweeps/: 1, with trainer.limit_train_batches"),
+    "trainer.limit_train_batches": optional(integer(1)).about("training (RL: rollout) batches per epoch"),
+    "trainer.max_time": optional(either(DURATION, mapping("{hours: 1}"), expected="a duration 'DD:HH:MM:SS'")),
+    "trainer.val_check_interval": either(integer(1), DURATION, expected="a positive integer or a duration "
+                                         "'DD:HH:MM:SS'").about("training batches between held-out evaluations; "
+                                                                "RL: rollout batches"),
+    "trainer.check_val_every_n_epoch": optional(integer(1)).about("the training stream is endless: null"),
+    "trainer.log_every_n_steps": integer(1),
+    "trainer.gradient_clip_val": Spec(lambda v: v is None, "null (posttrain clips gradients itself at "
+                                                           "algorithm.max_grad_norm: set that instead)"),
+    "trainer.accumulate_grad_batches": integer(1),
+    "trainer.num_sanity_val_steps": integer(-1).about("-1: all"),
+    "trainer.enable_model_summary": boolean(),
+    "trainer.default_root_dir": optional(text()),
+    "trainer.strategy": Spec(lightning_strategy, "'auto', a Lightning strategy name such as 'ddp', or a strategy "
+                                                 "node with _target_ (trainer=ddp)", descend=True),
+    "trainer.strategy._target_": text(),
+    "trainer.strategy.data_parallel_size": either(integer(1), choice("auto"), expected="a positive integer or "
+                                                  "'auto'").about("processes; trainer.devices x trainer.num_nodes"),
+    "trainer.strategy.tensor_parallel_size": choice(1).about("posttrain shards no tensors: data parallelism only"),
+    "trainer.strategy.save_distributed_checkpoint": boolean(),
+    "trainer.strategy.reshard_after_forward": boolean().about("trainer=fsdp: free gathered weights after forward"),
+    "trainer.strategy.param_dtype": optional(choice("float32", "bfloat16", "float16")).about(
+        "trainer=fsdp: compute dtype of the gathered weights; master weights stay fp32"),
+    "trainer.strategy.reduce_dtype": choice("float32", "bfloat16", "float16").about(
+        "trainer=fsdp: dtype of the gradient reduce-scatter"),
+    "trainer.strategy.activation_checkpointing": boolean().about("trainer=fsdp: recompute decoder blocks"),
+    "trainer.strategy.frozen_roles": choice("shard", "replicate_bf16").about(
+        "trainer=fsdp: how frozen roles (reference) are held"),
+}
+
+
+def is_sharded_strategy(v: Values) -> bool:
+    """Whether the trainer shards the model (trainer=fsdp's strategy)."""
+    strategy = v.get("trainer.strategy")
+    return isinstance(strategy, dict) and str(strategy.get("_target_", "")).endswith("ShardedModelParallelStrategy")
+
+
+@rule
+def several_devices_need_the_data_parallel_strategy(v: Values):
+    """Online RL averages gradients itself (distributed.py), so more than one process needs
+    Lightning's ModelParallelStrategy (trainer=ddp), which does not wrap the module."""
+    per_node = device_count(v.get("trainer.devices", 1))
+    nodes = v.get("trainer.num_nodes", 1)
+    processes = per_node * nodes if per_node is not None else None
+    strategy = v.get("trainer.strategy", "auto")
+    model_parallel = isinstance(strategy, dict) and str(strategy.get("_target_", "")).endswith("ModelParallelStrategy")
+    if processes is not None and processes > 1 and not model_parallel:
+        yield (f"trainer.devices={v['trainer.devices']!r} asks for {processes} processes, but "
+               f"trainer.strategy={strategy!r} is not the data-parallel strategy posttrain averages gradients "
+               f"under; use trainer=ddp")
+    if model_parallel and processes is not None:
+        data_parallel = strategy.get("data_parallel_size", "auto")
+        if is_int(data_parallel) and data_parallel != processes:
+            yield (f"trainer.strategy.data_parallel_size={data_parallel} must equal the number of processes, "
+                   f"trainer.devices x trainer.num_nodes = {processes}")
+
+
+@rule
+def online_rl_steps_its_own_optimiser(v: Values):
+    accumulate = v.get("trainer.accumulate_grad_batches", 1)
+    if v.online() and accumulate != 1:
+        yield (f"trainer.accumulate_grad_batches={accumulate} is not valid with an online algorithm, which steps "
+               f"its optimiser itself: expected 1; accumulate with algorithm.micro_batch_size instead")
+
+
+@rule
+def accelerator_is_present(v: Values):
+    accelerator = v.get("trainer.accelerator", "auto")
+    if accelerator in ("cuda", "gpu"):
+        if not torch.cuda.is_available():
+            yield (f"trainer.accelerator={accelerator!r} but no CUDA device is visible on this machine; use "
+                   f"trainer=cpu, or trainer.accelerator=auto")
+    elif accelerator == "mps":
+        if not torch.backends.mps.is_available():
+            yield "trainer.accelerator='mps' but MPS is not available on this machine; use trainer=cpu"
