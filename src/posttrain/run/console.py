@@ -84,8 +84,8 @@ def _strip_final_newline(record: logging.LogRecord) -> bool:
 def setup_console() -> None:
     """Quiet the libraries a run imports; call it once logging is configured (Hydra's job
     logging), before training. Safe to call again (each job of a local multirun)."""
-    # start-up: torch loads once Hydra has composed the job (Lightning is imported now so that
-    # the handlers it adds on import exist)
+    # Lightning is imported now so that the handlers it adds on import exist, and here, not at
+    # the top, for start-up: torch loads only once Hydra has composed the job
     import lightning  # noqa: F401
     from transformers.utils import logging as transformers_logging
 
