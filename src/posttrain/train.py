@@ -40,16 +40,11 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     from posttrain.config.check import check_config
     from posttrain.config.memory import check_memory_fits
     from posttrain.data.datamodule import PosttrainDataModule
-    from posttrain.data.preference import share_summary
-    from posttrain.data.process import step_summary
     from posttrain.data.sources import build_source
     from posttrain.distributed.sharding import consolidated_model
     from posttrain.files import write_json_atomic
     from posttrain.models.loading import load_tokenizer_and_model
     from posttrain.models.lora import export_model
-    from posttrain.prepare.preference_pairs import build_preference_source
-    from posttrain.prepare.step_rows import build_step_source
-    from posttrain.prepare.teachers import resolve_teacher
     from posttrain.prepare.warm_start import warm_start
     from posttrain.run.callbacks import RunRecord, build_callbacks
     from posttrain.run.checkpoints import check_checkpoint_algorithm, check_checkpoint_shapes, resolve_ckpt_path
@@ -71,6 +66,8 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # --- prepare: what is made once before training and cached ---------------------------------
+    # (the modules of teachers, pairs and step rows are imported in their branches below, for the
+    # cache key: an SFT run, the warm start itself, must not import them; prepare/cache.py NOT_IN_SFT)
     source = build_source(cfg.data)
     start_dir = warm_start(cfg, train=run)
     if start_dir is not None:
@@ -81,10 +78,16 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     if cfg.get("teacher") is not None:
         # its HF directory into roles.teacher (an embedded recipe is trained once and cached,
         # like the warm start); refused unless it shares the policy's tokenizer
+        from posttrain.prepare.teachers import resolve_teacher  # cache key
+
         resolve_teacher(cfg, tokenizer, train=run)
     if cfg.algorithm.kind == "preference":  # the pairs, made with (or read for) the starting policy
+        from posttrain.prepare.preference_pairs import build_preference_source  # cache key
+
         source = build_preference_source(cfg, source, tokenizer, policy)
     elif cfg.algorithm.kind == "process":  # step-labelled responses sampled from the starting policy (algorithm=prm)
+        from posttrain.prepare.step_rows import build_step_source  # cache key
+
         source = build_step_source(cfg, source, tokenizer, policy)
 
     # --- build: module, datamodule, logger, trainer ---------------------------------------------
@@ -123,8 +126,12 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
         summary.update(global_step=trainer.global_step, train_seconds=round(train_seconds, 2),
                        choices=choices, run_dir=str(output_dir), warm_start=start_dir)
         if cfg.algorithm.kind == "preference":
+            from posttrain.data.preference import share_summary  # cache key
+
             summary.update(share_summary(source))  # pairs/<split>/<kind>_share: what the pairs are made of
         elif cfg.algorithm.kind == "process":
+            from posttrain.data.process import step_summary  # cache key
+
             summary.update(step_summary(source))  # process/<split>/*, and eval/label_agreement of MC labels
 
         # --- export: the model, summary.json ---------------------------------------------------------

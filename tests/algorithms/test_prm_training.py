@@ -146,7 +146,7 @@ def test_a_bad_label_source_is_refused_naming_the_key():
 
 
 def test_a_short_run_evaluates_steps_and_exports_a_prm_that_scores_as_it_did(tmp_path):
-    from posttrain.data.process import read_cached_rows
+    from posttrain.prepare.step_rows import read_cached_rows
     from posttrain.rewards.prm import load_prm
     from posttrain.train import run
 

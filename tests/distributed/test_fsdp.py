@@ -274,9 +274,9 @@ def test_the_cli_trains_with_fsdp_under_torchrun(tmp_path):
                  "algorithm.group_size=4", "trainer.max_steps=2", "trainer.val_check_interval=2",
                  "callbacks.checkpoint.every_n_train_steps=2", "eval.num_prompts=16", "eval.batch_size=16",
                  "logger=csv", f"hydra.run.dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]
-    tests_dir = os.path.dirname(os.path.dirname(__file__))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}  # the reward above
+    here, tests_dir = os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",  # the reward above (and the conftest it imports)
+           "PYTHONPATH": os.pathsep.join([here, tests_dir, os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([*TORCHRUN, "-m", "posttrain.train", *overrides], capture_output=True, text=True, env=env,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

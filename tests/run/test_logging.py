@@ -102,13 +102,13 @@ def test_each_job_in_one_process_gets_its_own_wandb_run(make_config, tmp_path, m
 def test_a_failed_job_finishes_its_wandb_run_as_failed(make_config, tmp_path, monkeypatch):
     import wandb
 
-    import posttrain.files
+    import posttrain.models.lora
 
     def disk_full(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setattr(posttrain.files, "save_pretrained_atomic", disk_full)  # fails after training
+    monkeypatch.setattr(posttrain.models.lora, "save_pretrained_atomic", disk_full)  # fails after training
     with pytest.raises(OSError, match="disk full"):
         run(sft_wandb_config(make_config, tmp_path, 0, 2))
     assert wandb.run is None
@@ -120,7 +120,7 @@ def test_a_failed_job_finishes_its_wandb_run_as_failed(make_config, tmp_path, mo
 def test_rl_logs_every_rollout_batch(make_config, sft_start, tmp_path):
     """With two minibatches one rollout batch makes two optimiser steps: 6 steps are 3
     rollout batches, and with the default trainer config each has its row of rollout
-    metrics, at the logged step of its rollout batch (README "Step counters")."""
+    metrics, at the logged step of its rollout batch (docs/running.md, "Step counters")."""
     cfg = make_config(*UNLOGGED_FAST_RUN, *EASY_TASK, "logger=csv", f"model.init_from={sft_start}", "algorithm=grpo",
                       "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.num_minibatches=2",
                       "trainer.max_steps=6", "trainer.val_check_interval=3",

@@ -175,7 +175,7 @@ def test_jobs_starting_one_uncached_warm_start_at_once_train_it_once(tmp_path):
 HOLDER = """
 import sys, time
 from pathlib import Path
-from posttrain.prepare.warm_start import cache_lock
+from posttrain.prepare.cache import cache_lock
 with cache_lock(Path(sys.argv[1])):
     print("holding", flush=True)
     time.sleep(600)

@@ -272,7 +272,7 @@ class PosttrainModule(L.LightningModule):
         if self.eval_samples_dir is not None:  # named like the checkpoints: by optimiser step
             write_jsonl_atomic(self.eval_samples_dir / f"step{self.trainer.global_step:06d}.jsonl", rows)
         # W&B: at the step Lightning logs this eval's metrics at (its counter of training
-        # batches, README "Step counters"), so the table lines up with eval/accuracy
+        # batches, docs/running.md "Step counters"), so the table lines up with eval/accuracy
         logged_step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
         columns = ["prompt", "response", "reward", "correct"]
         for logger in self.loggers:

@@ -87,16 +87,6 @@ DISTILL_MODES = ("reward", "full", "loss")
 DISTILL_MASKS = ("none", "low_reward")
 
 
-def distills(distill) -> bool:
-    """Whether an `algorithm.distill` node (a mapping or None) reads the teacher: it is set and
-    its weight is above 0 at some rollout batch (at the start, or at the end of its schedule)."""
-    if not distill:
-        return False
-    schedule = distill.get("coef_schedule") or {}
-    end = schedule.get("end", 0.0) if schedule.get("name", "constant") != "constant" else 0.0
-    return distill.get("coef", 0.0) > 0 or end > 0
-
-
 class OnlineRLModule(PosttrainModule):
     """Online RL as collect -> annotate -> advantages -> update (see the module docstring)."""
 
@@ -181,7 +171,7 @@ class OnlineRLModule(PosttrainModule):
 
         # --- distillation (opd, kdrl, long2short): a frozen teacher scores the student's samples ---
         distill = OmegaConf.to_container(distill, resolve=True) if OmegaConf.is_config(distill) else distill
-        self.distill = dict(distill) if distills(distill) else None
+        self.distill = dict(distill) if rules.distills(distill) else None
         self.teacher = None
         if self.distill is not None:
             check_distill(self.distill, advantage.name, roles.teacher)

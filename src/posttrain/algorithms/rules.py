@@ -73,3 +73,13 @@ def distill_reward_problem(mode, advantage: str) -> str | None:
     return ("algorithm.distill.mode=reward adds each token's distillation reward to its advantage as it is, but "
             "advantage=gae would need it in a critic's returns: use a group advantage (group_norm, group_mean, "
             "rloo), or algorithm.distill.mode=full or loss")
+
+
+def distills(distill) -> bool:
+    """Whether an `algorithm.distill` node (a mapping or None) reads the teacher: it is set and
+    its weight is above 0 at some rollout batch (at the start, or at the end of its schedule)."""
+    if not distill:
+        return False
+    schedule = distill.get("coef_schedule") or {}
+    end = schedule.get("end", 0.0) if schedule.get("name", "constant") != "constant" else 0.0
+    return distill.get("coef", 0.0) > 0 or end > 0

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 from omegaconf import DictConfig, OmegaConf
 
 from posttrain.algorithms import rules
-from posttrain.algorithms.online import KL_PLACEMENT_KEYS, OnlineRLModule, check_core_options
 from posttrain.data.curriculum import CURRICULA
 from posttrain.errors import ConfigError
 from posttrain.rewards import build_reward
@@ -66,6 +65,10 @@ def algorithm_problems(cfg: DictConfig) -> list[str]:
 def core_option_problems(cfg: DictConfig) -> list[str]:
     """The advantage, policy loss and KL options on a dummy batch (online.check_core_options),
     from the config rather than from a built module."""
+    # An SFT run (the warm start) never imports the RL modules, so that editing them keeps the
+    # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
+    from posttrain.algorithms.online import KL_PLACEMENT_KEYS, OnlineRLModule, check_core_options
+
     defaults = {name: p.default for name, p in inspect.signature(OnlineRLModule).parameters.items()}
     algorithm = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items()}
     setting = lambda key: algorithm.get(key, defaults[key])  # noqa: E731 - a module argument or its default
@@ -109,6 +112,9 @@ def dry_run_problems(cfg: DictConfig) -> list[str]:
     problems = algorithm_problems(cfg)
     if problems or cfg.algorithm.kind != "online":
         return problems
+    # An SFT run (the warm start) never imports the RL modules, so that editing them keeps the
+    # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
+    from posttrain.algorithms.online import OnlineRLModule
 
     if not issubclass(import_target(cfg.algorithm._target_), OnlineRLModule):
         return problems  # another online module: its own checks apply

@@ -5,7 +5,6 @@ teacher is there exactly when the algorithm distils from one."""
 from __future__ import annotations
 
 from posttrain.algorithms import rules
-from posttrain.algorithms.online import distills
 from posttrain.config.spec import POSITIVE, SEED, Spec, Values, anything, integer, mapping, number, optional, rule, text
 
 SPECS: dict[str, Spec] = {
@@ -44,9 +43,9 @@ def distillation_reads_a_teacher(v: Values):
     algorithm = v.algorithm()
     distill = v.get("algorithm.distill")
     configured = teacher_keys(v)
-    if problem := rules.teacher_problem(distills(distill), bool(configured), f"algorithm={algorithm}"):
+    if problem := rules.teacher_problem(rules.distills(distill), bool(configured), f"algorithm={algorithm}"):
         yield problem
-    elif configured and not distills(distill):
+    elif configured and not rules.distills(distill):
         why = ("algorithm.distill.coef=0" if distill else "it has no algorithm.distill")
         yield (f"{' and '.join(configured)} is set, but algorithm={algorithm} does not read a teacher ({why}); drop "
                f"the teacher, or use algorithm=opd / kdrl, or set algorithm.distill.coef > 0")

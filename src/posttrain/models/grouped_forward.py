@@ -8,7 +8,7 @@ responses of its group, and the gradient of every response flows back into the o
 prompt computation (autograd sums it, as it would over the copies). The log-probs and the
 gradients are those of the plain forward (tested to float32 rounding).
 
-It is the lean functional decoder of `rollout/functional.py` (fused q/k/v and gate/up
+It is the lean functional decoder of `models/functional.py` (fused q/k/v and gate/up
 matmuls, folded norm gains, RoPE as one complex multiply, explicit attention), written
 out of place so autograd can run through it. The fused weights are rebuilt from the
 parameters at each call (a differentiable `cat`): an extra copy of the projections for the

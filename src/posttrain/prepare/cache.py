@@ -145,9 +145,9 @@ def cache_lock(target: Path, label: str = "Warm start") -> Iterator[Path]:
 # retrain every cached warm start; editing anything else (the model, data, SFT module,
 # core, rollout used by its held-out eval, this file) does.
 NOT_IN_SFT = ("algorithms/online.py", "algorithms/terms.py", "algorithms/experience.py", "models/roles.py",
-              "algorithms/reward_model.py", "algorithms/preference.py", "algorithms/prm.py", "data/preference.py",
-              "data/process.py", "prepare/teachers.py", "prepare/preference_pairs.py", "prepare/step_rows.py",
-              "eval/evaluate.py", "eval/best_of_n.py", "eval/report.py")
+              "algorithms/reward_model.py", "algorithms/preference.py", "algorithms/prm.py", "prepare/teachers.py",
+              "prepare/preference_pairs.py", "prepare/step_rows.py", "eval/evaluate.py", "eval/best_of_n.py",
+              "eval/report.py")
 
 
 @functools.cache
