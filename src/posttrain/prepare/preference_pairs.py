@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from posttrain.data.datamodule import collate_prompts
 from posttrain.data.examples import Example
 from posttrain.data.preference import (
     DATASET_KEYS,
@@ -34,8 +33,6 @@ from posttrain.rollout.base import decode_responses
 log = logging.getLogger("posttrain")
 
 
-# Prompts sampled together in one generation call when building embedded pairs.
-PROMPTS_PER_CALL = 128
 
 
 # Bump when the cached file's layout or the way pairs are made changes: old entries are then ignored.
@@ -117,12 +114,8 @@ def embedded_pairs(split: str, count: int, task_source, tokenizer, policy, cfg) 
     generator = torch.Generator().manual_seed(settings.seed * len(SPLITS) + SPLITS.index(split))
     rng = random.Random(f"{settings.seed}/{split}")  # the perturbed digits
     pairs = []
-    for start in range(0, count, PROMPTS_PER_CALL):
-        examples = [task_source.example(split, i) for i in range(start, min(count, start + PROMPTS_PER_CALL))]
-        batch = collate_prompts(examples, tokenizer)
-        rollout = sampler.generate(batch["prompt_ids"].repeat_interleave(n, dim=0),
-                                   batch["prompt_mask"].repeat_interleave(n, dim=0), settings.temperature,
-                                   cfg.data.max_response_tokens, generator)
+    for start, examples, rollout in sampler.sample_prompts(task_source, split, count, n, settings.temperature,
+                                                           cfg.data.max_response_tokens, generator):
         texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask)
         for offset, example in enumerate(examples):
             pair = pair_for_prompt(example, texts[offset * n:(offset + 1) * n], task_source, rng)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.data.datamodule import collate_prompts
 from posttrain.models.loading import stop_token_ids
 from posttrain.rollout import SamplingParams, build_rollout, engine_options
 from posttrain.rollout.base import RolloutBatch
+
+# Prompts sampled together in one generation call (times the samples per prompt).
+PROMPTS_PER_CALL = 128
 
 
 class PolicySampler:
@@ -27,3 +31,16 @@ class PolicySampler:
                                         generator=generator)
         finally:
             self.policy.train(was_training)
+
+    def sample_prompts(self, task_source, split: str, count: int, samples_per_prompt: int, temperature: float,
+                       max_new_tokens: int, generator):
+        """`samples_per_prompt` responses to each of the first `count` prompts of `split`, in calls of
+        PROMPTS_PER_CALL prompts: yields (the task index of the call's first prompt, its examples,
+        its rollout, whose rows are each example's samples in turn)."""
+        n = samples_per_prompt
+        for start in range(0, count, PROMPTS_PER_CALL):
+            examples = [task_source.example(split, i) for i in range(start, min(count, start + PROMPTS_PER_CALL))]
+            batch = collate_prompts(examples, self.tokenizer)
+            yield start, examples, self.generate(batch["prompt_ids"].repeat_interleave(n, dim=0),
+                                                 batch["prompt_mask"].repeat_interleave(n, dim=0), temperature,
+                                                 max_new_tokens, generator)

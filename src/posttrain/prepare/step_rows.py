@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from posttrain import core
-from posttrain.data.datamodule import collate_prompts, left_padded, prompt_token_ids
+from posttrain.data.datamodule import left_padded, prompt_token_ids
 from posttrain.data.preference import SPLITS
 from posttrain.data.process import LABEL_SOURCES, StepRow, StepSource
 from posttrain.data.steps import source_step_rule, split_response
@@ -28,8 +28,6 @@ from posttrain.rewards.prm import ProcessRewardModel
 log = logging.getLogger("posttrain")
 
 
-# Prompts sampled together in one generation call (times samples_per_prompt rows).
-PROMPTS_PER_CALL = 128
 
 
 # Rows of one Monte-Carlo completion call (prefixes x rollouts_per_step).
@@ -110,12 +108,8 @@ def step_rows(split: str, count: int, labels: str, task_source, tokenizer, polic
     sampler = PolicySampler(cfg.rollout, tokenizer, policy)
     rows: list[tuple[int, StepRow]] = []
     responses: list[tuple[list[int], list[int]]] = []  # each row's (response ids with its EOS, step ends): MC prefixes
-    for start in range(0, count, PROMPTS_PER_CALL):
-        examples = [task_source.example(split, i) for i in range(start, min(count, start + PROMPTS_PER_CALL))]
-        batch = collate_prompts(examples, tokenizer)
-        rollout = sampler.generate(batch["prompt_ids"].repeat_interleave(n, dim=0),
-                                   batch["prompt_mask"].repeat_interleave(n, dim=0), settings.temperature,
-                                   cfg.data.max_response_tokens, generator)
+    for start, examples, rollout in sampler.sample_prompts(task_source, split, count, n, settings.temperature,
+                                                           cfg.data.max_response_tokens, generator):
         cut = rollout.truncated | rollout.repeated  # no EOS: the PRM row ends without one
         for i, (ids, mask) in enumerate(zip(rollout.response_ids, rollout.response_mask)):
             example = examples[i // n]
