@@ -5,7 +5,9 @@ The commands are read from the pages themselves, so a command added there is tes
 README's come first, then each page of docs/ in name order; a command shown on two pages runs
 once. Placeholders name the runs of earlier commands: `outputs/<task>/runs/<time>` is the newest
 run of that task, `outputs/multiruns/<time>` the newest sweep. Budget overrides are appended
-(later overrides win in Hydra), so each command keeps its own choices.
+(later overrides win in Hydra), so each command keeps its own choices. A sweep keeps every value
+of its first swept key and the first value of the others (`algorithm=grpo,dapo seed=0,1,2` runs
+2 jobs, not 6): the launcher and every documented choice still run, without the repeats.
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ def fill_placeholders(command: str, log_dir: Path) -> str:
     return re.sub(r"outputs/multiruns/<time>", lambda m: newest("multiruns/*"), command)
 
 
+def one_value_past_the_first_sweep(arguments: list[str]) -> list[str]:
+    """A multirun's first comma-separated key as written; every later one at its first value."""
+    swept, kept = False, []
+    for argument in arguments:
+        key, equals, values = argument.partition("=")
+        if equals and "," in values and not values.startswith("["):
+            if swept:
+                argument = f"{key}={values.split(',')[0]}"
+            swept = True
+        kept.append(argument)
+    return kept
+
+
 def with_budget(arguments: list[str], log_dir: Path, model_dir: Path) -> list[str]:
     if arguments[:1] == ["posttrain"] and ("--help" in arguments or "--cfg" in arguments):
         return arguments
@@ -68,6 +83,8 @@ def with_budget(arguments: list[str], log_dir: Path, model_dir: Path) -> list[st
                             "--out", str(log_dir / "vs_trl")]
     if arguments[0] in ("python", "posttrain-report"):  # benchmarks/ scripts and the report take their own arguments
         return arguments
+    if "-m" in arguments:
+        arguments = one_value_past_the_first_sweep(arguments)
     budget = list(BUDGET)
     if "algorithm=prm" in arguments:
         budget += PROCESS_BUDGET
@@ -98,6 +115,12 @@ def as_process(arguments: list[str]) -> list[str]:
     if arguments[0] == "python":  # a script of the repository, by its path from the repository root
         return [sys.executable, str(REPO / arguments[1]), *arguments[2:]]
     raise AssertionError(f"documented command of an unknown program: {arguments}")
+
+
+def test_a_sweep_runs_every_value_of_its_first_key_and_one_of_the_others():
+    command = shlex.split("posttrain -m algorithm=grpo,dapo seed=0,1,2 kl_estimator=k1,k3 eval.pass_k=[1,2]")
+    assert one_value_past_the_first_sweep(command) == [
+        "posttrain", "-m", "algorithm=grpo,dapo", "seed=0", "kl_estimator=k1", "eval.pass_k=[1,2]"]
 
 
 def test_readme_has_the_commands_it_promises():
