@@ -163,3 +163,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def restores_after_fit_start():
+    """A one-process CPU strategy that restores a checkpoint where ModelParallelStrategy
+    (trainer=ddp, fsdp) does: after on_fit_start."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class RestoresAfterFitStart(SingleDeviceStrategy):
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
+    return RestoresAfterFitStart(torch.device("cpu"))

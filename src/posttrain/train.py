@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from posttrain.conf import CONFIG_DIR
 from posttrain.errors import PosttrainError
 from posttrain.run.boundary import hydra_choices, log, run_inside_boundary, silence_expected_warnings
-from posttrain.run.cli import resume_arguments, sweep_arguments
+from posttrain.run.cli import check_group_options, resume_arguments, sweep_arguments
 
 
 def run(cfg: DictConfig, announce: bool = True) -> dict:
@@ -46,8 +46,14 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     from posttrain.models.loading import load_tokenizer_and_model
     from posttrain.models.lora import export_model
     from posttrain.prepare.warm_start import warm_start
+    from posttrain.rewards.build import check_user_functions
     from posttrain.run.callbacks import RunRecord, build_callbacks
-    from posttrain.run.checkpoints import check_checkpoint_algorithm, check_checkpoint_shapes, resolve_ckpt_path
+    from posttrain.run.checkpoints import (
+        check_checkpoint_algorithm,
+        check_checkpoint_shapes,
+        remove_interrupted_saves,
+        resolve_ckpt_path,
+    )
     from posttrain.run.console import announce_run, print_before_after
     from posttrain.run.preemption import Preemption, cluster_plugins
     from posttrain.run.tracking import build_logger, finish_logger, run_name, wandb_mode
@@ -59,6 +65,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     check_config(cfg, choices)
     check_memory_fits(cfg)  # sizes from config.json alone: a model too large fails before any weights load
     output_dir = Path(cfg.paths.output_dir)
+    remove_interrupted_saves(output_dir / "checkpoints")  # a kill mid-save left them
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir)
     stored_shapes = check_checkpoint_algorithm(ckpt_path, cfg) if ckpt_path is not None else None
     if cfg.num_threads:
@@ -69,6 +76,8 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     # (the modules of teachers, pairs and step rows are imported in their branches below, for the
     # cache key: an SFT run, the warm start itself, must not import them; prepare/cache.py NOT_IN_SFT)
     source = build_source(cfg.data)
+    if cfg.algorithm.kind == "online":  # a bug in the user's reward function costs seconds, not a warm start
+        check_user_functions(cfg.reward, source, cfg.rollout.max_new_tokens)
     start_dir = warm_start(cfg, train=run)
     if start_dir is not None:
         cfg.model.init_from = start_dir
@@ -179,7 +188,9 @@ def _hydra_entry(cfg: DictConfig) -> None:
 
 def main() -> None:
     try:
-        sys.argv[1:] = sweep_arguments(resume_arguments(sys.argv[1:]))
+        arguments = resume_arguments(sys.argv[1:])
+        check_group_options(arguments)  # before Hydra, which would list every option and make a run dir
+        sys.argv[1:] = sweep_arguments(arguments)
     except PosttrainError as err:
         print(f"posttrain: error: {err}", file=sys.stderr)
         sys.exit(1)

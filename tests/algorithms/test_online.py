@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import EASY_TASK, FAST_RUN, module_from_config
 from test_grpo import online_module
 
 from posttrain.algorithms.experience import Experience
@@ -119,3 +120,59 @@ def test_a_role_is_built_by_one_loader_and_its_errors_name_the_role(make_config,
         online_module(make_config, sft_start, "algorithm=grpo", "roles.reference.init_from=/no/such/dir")
     module = online_module(make_config, sft_start, "algorithm=grpo", f"roles.reference.init_from={sft_start}")
     assert module.reference is not None
+
+
+def random_online_module(make_config, *overrides):
+    """A GRPO module on a small random policy (no warm start): for the update's own mechanics."""
+    return module_from_config(make_config(*FAST_RUN, *EASY_TASK, "model.hidden_size=32", "model.num_layers=2",
+                                          "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=64",
+                                          "algorithm=grpo", "algorithm.warm_start.steps=0",
+                                          "algorithm.prompts_per_step=5", "algorithm.group_size=2", *overrides))
+
+
+def scored_batch(module) -> Experience:
+    exp, _, _ = module.collect(step=0)
+    exp, _ = module.compute_advantages(module.annotate(exp.without_trailing_padding()))
+    # advantages of both signs: a random policy's rewards may all agree, which would leave no gradient
+    exp.advantages = torch.randn(len(exp), 1, generator=torch.Generator().manual_seed(0)) * exp.response_mask
+    return exp
+
+
+@pytest.mark.parametrize("rows", [10, 3])
+def test_a_rollout_batch_takes_ppo_epochs_times_num_minibatches_steps_whatever_its_size(rows, make_config):
+    """Dynamic sampling leaves a rank any number of rows; every rank must take the configured
+    optimiser steps (each all-reduces under ddp), in minibatches of near-equal sizes."""
+    module = random_online_module(make_config, "algorithm.ppo_epochs=2", "algorithm.num_minibatches=4")
+    exp = scored_batch(module).select(torch.arange(rows))
+    sizes = []
+    module.minibatch_step = lambda minibatch, train_policy, stand_in=None: sizes.append(len(minibatch)) or {}
+    module.update(exp)
+    assert len(sizes) == 2 * 4
+    for epoch in (sizes[:4], sizes[4:]):
+        assert sum(epoch) == rows and max(epoch) - min(epoch) <= 1
+
+
+def test_stand_in_micro_batches_add_nothing_to_the_gradient(make_config, monkeypatch):
+    """A rank with fewer micro-batches than another runs stand-ins to match its collectives (every
+    forward and backward under FSDP): weighted 0, they leave its gradient and stats exactly as
+    they were; in a minibatch it has no rows of, their backward still reaches every parameter."""
+    import posttrain.algorithms.online as online
+
+    module = random_online_module(make_config, "algorithm.micro_batch_size=3")
+    exp = scored_batch(module)
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+
+    def gradients(minibatch, **kwargs):
+        module.policy.zero_grad(set_to_none=True)
+        stats = module.accumulate_gradients(minibatch, **kwargs)
+        return stats, [p.grad for p in params]
+
+    stats, alone = gradients(exp)
+    assert any(g.any() for g in alone)
+    monkeypatch.setattr(online, "all_reduce_max", lambda count: count + 2)  # another rank: 2 micro-batches more
+    padded_stats, padded = gradients(exp)
+    assert padded_stats == stats
+    for g, h in zip(alone, padded):
+        torch.testing.assert_close(h, g, rtol=0, atol=0)
+    _, empty = gradients(exp.select(torch.zeros(0, dtype=torch.long)), stand_in=exp.select(torch.tensor([0])))
+    assert all(g is not None and not g.any() for g in empty)

@@ -38,6 +38,10 @@ def must_not_estimate(prompts):
     raise AssertionError("estimate_pass_rates was called")
 
 
+def must_not_fingerprint():
+    raise AssertionError("the starting weights were fingerprinted")
+
+
 def pass_rate_filter(source, rank=0, world_size=1, cache_dir=None, **options):
     cfg = OmegaConf.create({"name": "pass_rate_filter", "low": 0.1, "high": 0.9, "pool_size": 32, **options})
     ranks = {"rank": rank, "world_size": world_size} if world_size > 1 else {}
@@ -69,18 +73,18 @@ def test_cache_key_depends_on_prompts_weights_and_settings():
 
 def test_pass_rates_are_cached_per_data_config(tmp_path):
     estimate = FakeEstimator()
-    pass_rate_filter(arithmetic(3), cache_dir=str(tmp_path)).setup(estimate, "weights", SETTINGS)
-    pass_rate_filter(arithmetic(5), cache_dir=str(tmp_path)).setup(estimate, "weights", SETTINGS)
+    pass_rate_filter(arithmetic(3), cache_dir=str(tmp_path)).setup(estimate, lambda: "weights", SETTINGS)
+    pass_rate_filter(arithmetic(5), cache_dir=str(tmp_path)).setup(estimate, lambda: "weights", SETTINGS)
     assert estimate.calls == 2  # the 5-digit pool is not served the 3-digit rates
     assert len(list(tmp_path.glob("pass_rates-*.json"))) == 2
 
     again = pass_rate_filter(arithmetic(5), cache_dir=str(tmp_path))
-    again.setup(must_not_estimate, "weights", SETTINGS)  # same config: a cache hit
+    again.setup(must_not_estimate, lambda: "weights", SETTINGS)  # same config: a cache hit
     fresh = pass_rate_filter(arithmetic(5))
-    fresh.setup(FakeEstimator(), "weights", SETTINGS)
+    fresh.setup(FakeEstimator(), lambda: "weights", SETTINGS)
     assert again.rates == fresh.rates and prompts(again.kept) == prompts(fresh.kept)
 
-    pass_rate_filter(arithmetic(5), cache_dir=str(tmp_path)).setup(estimate, "other weights", SETTINGS)
+    pass_rate_filter(arithmetic(5), cache_dir=str(tmp_path)).setup(estimate, lambda: "other weights", SETTINGS)
     assert estimate.calls == 3 and len(list(tmp_path.glob("pass_rates-*.json"))) == 3
 
 
@@ -88,34 +92,34 @@ def test_pass_rates_are_cached_per_data_config(tmp_path):
 
 def test_pass_rate_filter_resumes_without_reestimating():
     original = pass_rate_filter(arithmetic())
-    original.setup(FakeEstimator(), "weights", SETTINGS)
+    original.setup(FakeEstimator(), lambda: "weights", SETTINGS)
     original.next_prompts(40)  # past the first pass over the kept prompts
     state = json.loads(json.dumps(original.state_dict()))  # plain data, fit for any checkpoint
     expected = prompts(original.next_prompts(25))
 
     resumed = pass_rate_filter(arithmetic())
     resumed.load_state_dict(state)
-    resumed.setup(must_not_estimate, "trained weights", SETTINGS)  # on_fit_start after a resume
+    resumed.setup(must_not_estimate, must_not_fingerprint, SETTINGS)  # on_train_start after a resume
     assert prompts(resumed.next_prompts(25)) == expected
     assert resumed.rates == original.rates
 
 
 def test_pass_rate_filter_resume_keeps_the_saved_kept_list_even_if_the_band_changes():
     original = pass_rate_filter(arithmetic())
-    original.setup(FakeEstimator(), "weights", SETTINGS)
+    original.setup(FakeEstimator(), lambda: "weights", SETTINGS)
     resumed = pass_rate_filter(arithmetic(), low=0.5, high=0.6)
     resumed.load_state_dict(original.state_dict())
-    resumed.setup(must_not_estimate, "trained weights", SETTINGS)
+    resumed.setup(must_not_estimate, must_not_fingerprint, SETTINGS)
     assert prompts(resumed.kept) == prompts(original.kept)
 
 
 def test_pass_rate_filter_resume_on_a_different_pool_is_refused():
     original = pass_rate_filter(arithmetic(3))
-    original.setup(FakeEstimator(), "weights", SETTINGS)
+    original.setup(FakeEstimator(), lambda: "weights", SETTINGS)
     resumed = pass_rate_filter(arithmetic(4))
     resumed.load_state_dict(original.state_dict())
     with pytest.raises(ConfigError, match="pass_rate_filter"):
-        resumed.setup(must_not_estimate, "trained weights", SETTINGS)
+        resumed.setup(must_not_estimate, must_not_fingerprint, SETTINGS)
 
 
 # --- 3. dynamic sampling filters on reward or on accuracy ----------------------------------------
@@ -131,7 +135,7 @@ def dynamic_sampling(**options):
 
 
 def test_dynamic_sampling_filters_on_reward_by_default(make_config):
-    cfg = make_config("algorithm=dapo")
+    cfg = make_config("algorithm=grpo", "data_curriculum=dynamic_sampling")  # the dapo preset filters on accuracy
     assert cfg.data_curriculum.filter_on == "reward"
     module = build_curriculum(cfg.data_curriculum, ExampleCursor(arithmetic(), "train", 0))
     assert module.keep_groups(SCORES, CORRECT, GROUPS).tolist() == [True, True, False, False, False, False]
@@ -182,13 +186,13 @@ def test_cursor_rank_resumes_from_its_own_position():
 def test_pass_rate_filter_ranks_draw_disjoint_prompts():
     source, count = arithmetic(), 30  # more than the kept prompts: crosses reshuffles
     single = pass_rate_filter(source)
-    single.setup(FakeEstimator(), "weights", SETTINGS)
+    single.setup(FakeEstimator(), lambda: "weights", SETTINGS)
     assert count < 2 * len(single.kept) < 2 * count
     expected = prompts(single.next_prompts(2 * count))
     drawn = []
     for rank in range(2):
         cur = pass_rate_filter(source, rank=rank, world_size=2)
-        cur.setup(FakeEstimator(), "weights", SETTINGS)
+        cur.setup(FakeEstimator(), lambda: "weights", SETTINGS)
         drawn.append(prompts(cur.next_prompts(count)))
     assert drawn[0] == expected[0::2] and drawn[1] == expected[1::2]
     first_pass = len(single.kept)  # within one pass over the kept list the ranks never share a prompt

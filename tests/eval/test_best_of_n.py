@@ -143,6 +143,17 @@ def test_majority_votes_on_the_final_answers():
     assert best_of_n_accuracies(judged, [4])["bon/majority@4"] == 0.5  # a 2-2 tie: half right
 
 
+def test_a_majority_answer_judged_both_ways_counts_by_the_share_of_its_right_verdicts():
+    """Responses with one final answer can get different verdicts (a verifier timeout): the vote
+    does not crash; the winning answer is right as often as its responses were judged right."""
+    correct = torch.tensor([[1.0, 0.0, 1.0, 0.0]])  # "7" judged right twice, wrong once (a timeout)
+    judged = Judged(correct, [["7", "7", "7", "8"]], {}, None)
+    results = best_of_n_accuracies(judged, [1, 4])
+    assert results["bon/majority@4"] == pytest.approx(2 / 3)  # "7" wins every vote of the 4
+    # one vote is one response: its answer's share of right verdicts, on average the random pick's accuracy
+    assert results["bon/majority@1"] == pytest.approx(results["bon/random@1"])
+
+
 def make_prm_dir(directory: Path, tokenizer) -> Path:
     """A tiny one-label Qwen2 token classifier over `tokenizer` (what algorithm=prm exports), random weights."""
     from transformers import Qwen2Config, Qwen2ForTokenClassification

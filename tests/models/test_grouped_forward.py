@@ -135,6 +135,43 @@ def test_lora_adapter_gradients_equal_the_hf_forward():
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["qwen", "llama"])  # tied and untied embeddings
+@pytest.mark.parametrize("targets", [["lm_head"], ["embed_tokens"], ["embed_tokens", "q_proj", "lm_head"]])
+def test_lora_on_the_embedding_and_the_lm_head_is_read_by_the_sampler_and_the_grouped_forward(arch, targets):
+    """An adapter on lm_head / embed_tokens: the fused sampler's logits and the grouped
+    forward's logits and gradients are those of PEFT's own forward."""
+    peft = pytest.importorskip("peft")
+    from posttrain.models.functional import FunctionalDecoder, without_adapter_wrapper
+
+    model = peft.get_peft_model(MODELS[arch](), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():  # a fresh adapter adds 0 (B or, on an embedding, A is zero): make it matter
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    batch = _batch(model.config.vocab_size, group_size=2)
+    real = batch[3].bool()
+    adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    expected_logits = _hf_logits(model, *batch)
+    with model.disable_adapter(), torch.no_grad():  # the adapter moves the logits (the test can fail)
+        assert not torch.allclose(_hf_logits(model, *batch)[real], expected_logits[real], atol=1e-2)
+    expected = torch.autograd.grad(_masked_logprob_sum(expected_logits, batch[2], batch[3]), list(adapters.values()))
+
+    assert grouped_forward_unsupported_reason(model) is None
+    logits = sequence_logits(model, *batch)
+    assert torch.allclose(logits[real], expected_logits[real], atol=1e-5, rtol=1e-5)
+    got = torch.autograd.grad(_masked_logprob_sum(logits, batch[2], batch[3]), list(adapters.values()))
+    for name, a, b in zip(adapters, got, expected):
+        assert b.abs().sum() > 0 and torch.allclose(a, b, atol=1e-4, rtol=1e-4), name
+
+    prompt_ids, prompt_mask = batch[0], batch[1]
+    with torch.inference_mode():  # the fused sampler's prefill, every prompt position
+        sampled = FunctionalDecoder(without_adapter_wrapper(model), len(prompt_ids), prompt_ids.shape[1] + 1).prefill(
+            prompt_ids, prompt_mask, all_logits=True)
+        position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+        peft_logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids).logits
+    assert torch.allclose(sampled[prompt_mask.bool()], peft_logits[prompt_mask.bool()], atol=1e-4, rtol=1e-4)
+
+
 def test_sequence_logits_uses_it_only_where_it_is_exact():
     model = _qwen()
     assert grouped_forward_unsupported_reason(model) is None

@@ -297,3 +297,33 @@ def test_a_pair_longer_than_the_models_context_is_named_before_training(tmp_path
                                         r"\(\d+ tokens\) \+ EOS is \d+ tokens, more than the model's context of "
                                         rf"{tokenizer.model_max_length} tokens.*1 of the \d (train|validation) pairs"):
         build_preference_source(cfg, ArithmeticSource(), tokenizer, None)
+
+
+class TruncatedWrongEngine(HalfRightEngine):
+    """As HalfRightEngine, but its wrong samples hit the generation budget: no EOS, truncated."""
+
+    def generate(self, model, prompt_ids, prompt_mask, params, eos_token_id, pad_token_id, generator=None):
+        batch = super().generate(model, prompt_ids, prompt_mask, params, eos_token_id, pad_token_id, generator)
+        wrong = torch.tensor([row % self.n >= self.right for row in range(len(prompt_ids))])
+        rows = wrong.nonzero().squeeze(1)
+        last = batch.response_mask.sum(dim=1)[rows] - 1
+        batch.response_ids[rows, last], batch.response_mask[rows, last] = pad_token_id, 0
+        batch.truncated = wrong
+        return batch
+
+
+def test_an_on_policy_side_cut_by_the_budget_gets_no_eos(tmp_path, monkeypatch):
+    cfg = pair_config(tmp_path, "preference.num_train_pairs=6", "preference.num_validation_pairs=2",
+                      "preference.samples_per_prompt=2")
+    task, tokenizer, policy = task_and_model(cfg)
+    use_engine(monkeypatch, TruncatedWrongEngine(tokenizer, samples_per_prompt=2, right=1))
+    built = build_preference_source(cfg, task, tokenizer, policy).pairs("train")
+    cached = build_preference_source(cfg, task, tokenizer, policy).pairs("train")  # read back from the cache
+    for pairs in (built, cached):
+        assert {pair.kind for pair in pairs} == {"on_policy"}
+        batch = collate_pairs(pairs, tokenizer)
+        for side, ended in (("chosen", True), ("rejected", False)):
+            tokens = tokenizer([getattr(pair, side) for pair in pairs], add_special_tokens=False)["input_ids"]
+            assert batch[f"{side}_len"].tolist() == [len(ids) + ended for ids in tokens]
+            for row, mask in zip(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"]):
+                assert (row[mask.sum() - 1] == tokenizer.eos_token_id) == ended

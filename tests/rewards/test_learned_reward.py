@@ -40,13 +40,21 @@ def reward_dirs(tmp_path_factory, char_tokenizer) -> list[Path]:
 
 
 def samples(count: int = 6) -> list[ScoredSample]:
-    """Responses of several lengths, right and wrong, one truncated (it gets no EOS)."""
+    """Responses of several lengths, right and wrong: one truncated by the budget, one stopped as
+    looping (rollout.repetition), one cut by the PRM early stop; none of these three produced
+    an EOS."""
     out = []
     for i in range(count):
         example = SOURCE.example("validation", i)
         response = example.response if i % 2 == 0 else example.response + "7" * i
-        out.append(ScoredSample(example, response, len(response) + 1, truncated=i == 3, group=i // 2))
+        out.append(ScoredSample(example, response, len(response) + 1, truncated=i == 3, group=i // 2,
+                                repeated=i == 4, prm_stopped=i == 5))
     return out
+
+
+def eos_unless_stopped(sample: ScoredSample, eos_token_id: int) -> list[int]:
+    """The EOS a response generated: none when the budget, the loop check or the PRM stopped it."""
+    return [] if sample.truncated or sample.repeated or sample.prm_stopped else [eos_token_id]
 
 
 def own_forward(directory: Path, rows: list[list[int]]) -> torch.Tensor:
@@ -63,9 +71,9 @@ def test_scores_are_the_models_own_forward_on_prompt_response_eos(reward_dirs, c
     scorer = RewardModelScorer(path=str(reward_dirs[0]), batch_size=4)
     scores = scorer(batch, SOURCE)
     assert scorer.take_metrics() == {}  # one model: no spread, its mean is the component's own
-    # the SFT layout: prompt tokens, response tokens, EOS unless the response was cut off
+    # the SFT layout: prompt tokens, response tokens, EOS unless the response was stopped without one
     rows = [char_tokenizer(s.example.prompt + s.response, add_special_tokens=False)["input_ids"]
-            + ([] if s.truncated else [char_tokenizer.eos_token_id]) for s in batch]
+            + eos_unless_stopped(s, char_tokenizer.eos_token_id) for s in batch]
     assert torch.allclose(scores, own_forward(reward_dirs[0], rows), atol=1e-5)
     assert scores.shape == (len(batch),) and scores.std() > 0.01  # distinct scores: the test can tell rows apart
 
@@ -77,7 +85,7 @@ def test_rows_longer_than_the_reward_models_context_keep_their_end_and_are_count
     directory = make_reward_model_dir(tmp_path / "short_rm", char_tokenizer, seed=0, context=context)
     batch = samples()
     rows = [char_tokenizer(s.example.prompt + s.response, add_special_tokens=False)["input_ids"]
-            + ([] if s.truncated else [char_tokenizer.eos_token_id]) for s in batch]
+            + eos_unless_stopped(s, char_tokenizer.eos_token_id) for s in batch]
     long_rows = [len(row) > context for row in rows]
     assert 0 < sum(long_rows) < len(rows)  # some rows fit, some do not
     scorer = RewardModelScorer(path=str(directory), batch_size=4)

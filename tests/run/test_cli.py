@@ -33,7 +33,7 @@ def test_unknown_override_key_fails_cleanly(tmp_path):
 
 
 def test_unknown_group_option_fails_cleanly(tmp_path):
-    assert_clean_failure(posttrain("algorithm=nope", log_dir=tmp_path), "algorithm/nope", "sft")
+    assert_clean_failure(posttrain("algorithm=nope", log_dir=tmp_path), "algorithm=nope", "sft")
 
 
 def test_missing_model_directory_fails_cleanly_without_files(tmp_path):

@@ -3,6 +3,7 @@ held-out evaluation by greedy generation, and the resumable count of training ba
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,11 @@ class Scored:
     correct: list[float]    # 1.0 / 0.0 per row
     lengths: list[float]    # response length in tokens per row
     truncated: list[bool]   # hit the generation budget without EOS
+
+    def rows(self, keep: list[int]) -> "Scored":
+        """The responses of rows `keep` only."""
+        return Scored(*([values[i] for i in keep] for values in (self.texts, self.correct, self.lengths,
+                                                                 self.truncated)))
 
 
 def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingParams,
@@ -110,7 +116,10 @@ class PosttrainModule(L.LightningModule):
         # the fused kernel: AdamW's update in one pass over each tensor instead of ~10 ops
         # (as HF Trainer's default); sharded (DTensor) parameters keep the generic path
 
-        fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in parameters)
+        # a 16-mixed loss scaler needs an optimiser that leaves unscaling to it (see
+        # OfflineModule.configure_gradient_clipping), so fp16 keeps the generic path too
+        fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in parameters) \
+            and self.loss_scaler() is None
         optimizer = torch.optim.AdamW(parameters, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                                       fused=fused or None)
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 1
@@ -145,6 +154,19 @@ class PosttrainModule(L.LightningModule):
         # automatic optimisation (SFT) steps the policy here; online RL in its own optimiser_step
         super().optimizer_step(*args, **kwargs)
         self.policy_updated()
+
+    def loss_scaler(self):
+        """The precision plugin's gradient scaler (trainer.precision=16-mixed), or None: fp32 and
+        bf16-mixed gradients are true gradients when they reach the optimiser."""
+        return getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+
+    def training_precision(self):
+        """The context of the training forwards (Lightning's precision: bf16 autocast under
+        trainer.precision=bf16-mixed), for a forward outside a training step that must match
+        them, such as a reference scored once before training; none outside a Trainer."""
+        if self._trainer is None:
+            return contextlib.nullcontext()
+        return self.trainer.precision_plugin.forward_context()
 
     def policy_updated(self) -> None:
         """The hook after every change of the policy's weights: an engine that holds its own
@@ -201,17 +223,27 @@ class PosttrainModule(L.LightningModule):
             self._eval_generator = torch.Generator(device=self.device).manual_seed(self.eval_seed * world + rank)
 
     def validation_step(self, batch, batch_idx):
+        # every row is generated, stand-ins too: the ranks' batches have the same sizes, so they
+        # make the same generate calls, each a collective under FSDP (datamodule.val_dataloader)
         params = SamplingParams(max_new_tokens=self.eval_max_new_tokens, greedy=True, temperature=0.0)
         scored = generate_and_score(self, batch, params)
+        counts = None
+        if self.eval_pass_k:
+            counts = count_correct_samples(self, batch, self.eval_sampling, self.eval_num_samples,
+                                           self._eval_generator, rows_per_call=len(batch["examples"]))
+        # the prompts this rank counts: each held-out prompt is counted by one rank
+        keep = batch["counted"].nonzero().flatten().tolist()
+        if not keep:
+            return
+        examples, scored = [batch["examples"][i] for i in keep], scored.rows(keep)
         self._eval_correct += scored.correct
         self._eval_lengths += scored.lengths
-        self._eval_proxy += self.proxy_rewards(batch["examples"], scored)
+        self._eval_proxy += self.proxy_rewards(examples, scored)
         wanted = self.eval_log_samples - len(self._eval_samples)
         if wanted > 0 and self.trainer.is_global_zero:  # only rank 0 logs: its first prompts
-            self._eval_samples += self.sample_rows(batch["examples"][:wanted], scored)
-        if self.eval_pass_k:
-            self._eval_counts.append(count_correct_samples(self, batch, self.eval_sampling, self.eval_num_samples,
-                                                           self._eval_generator, rows_per_call=len(batch["examples"])))
+            self._eval_samples += self.sample_rows(examples[:wanted], scored)
+        if counts is not None:
+            self._eval_counts.append(counts[keep])
 
     def sample_rows(self, examples, scored: Scored) -> list[dict]:
         """Rows of the samples table for the first len(examples) responses of `scored`."""
@@ -296,10 +328,18 @@ class OfflineModule(PosttrainModule):
         """Automatic optimisation (SFT): record the gradient norm, then clip at `max_grad_norm`
         through Lightning (precision- and strategy-aware). Online RL steps by hand and clips in
         `OnlineRLModule.optimiser_step`, where a non-finite norm also skips the step."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        self.last_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        if self.max_grad_norm:
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters]) if parameters else torch.zeros(())
+        self.last_grad_norm = float(norm)
+        if not self.max_grad_norm:
+            return
+        if self.loss_scaler() is not None:  # 16-mixed: Lightning unscales first, then clips
             self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
+        elif parameters:
+            # true gradients (fp32, bf16-mixed): clip by the norm just taken. Lightning's own clip
+            # refuses a fused AdamW under any mixed precision, bf16 included, though only a scaler
+            # (which bf16 has none of) makes that unsafe.
+            torch.nn.utils.clip_grads_with_norm_(parameters, self.max_grad_norm, norm)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.log("train/grad_norm", self.last_grad_norm)

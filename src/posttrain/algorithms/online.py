@@ -44,12 +44,15 @@ logging and curricula follow it.
 
 Data parallelism lives here, not in an algorithm: each rank draws its own prompts (disjoint
 streams), seeds its sampler with its rank, sums token and sequence counts over ranks before
-aggregating, and averages gradients by hand before each optimiser step.
+aggregating, and averages gradients by hand before each optimiser step. What a decision reads
+(the adaptive KL controller, a curriculum's accuracy, the "no signal" skip, whitening) is reduced
+over the ranks: every rank holds one state, that of one process on the union of their batches.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 
 import torch
@@ -64,7 +67,8 @@ from posttrain.algorithms.terms import DistillTerm, EntropyTerm, KLTerm, MicroBa
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
 from posttrain.data.steps import source_step_rule
-from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world, this_ranks, with_every_rank
+from posttrain.distributed.collectives import (all_reduce_max, all_reduce_sum, average_gradients, rank_and_world,
+                                               is_dtensor, this_ranks, with_every_rank)
 from posttrain.errors import ConfigError, RewardError
 from posttrain.models.lora import reference_is_the_base, reference_model
 from posttrain.models.roles import ValueModel, build_role
@@ -72,7 +76,7 @@ from posttrain.rewards import build_reward
 from posttrain.rewards.samples import rollout_samples
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.repetition import repetition_rule
-from posttrain.distributed.sharding import full_state_dict, full_weights
+from posttrain.distributed.sharding import full_weights
 
 # Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
 KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")
@@ -227,9 +231,9 @@ class OnlineRLModule(PosttrainModule):
 
     def configure_optimizers(self):
         policy = self.make_optimizer(self.policy_parameters(), self.optim)
-        if self.critic is None or self.shared_critic:
+        if self.critic is None:
             return policy
-        return [policy, self.make_optimizer(self.critic.trainable_parameters(), self.critic_cfg.optim)]
+        return [policy, self.make_optimizer(self.critic_parameters(), self.critic_cfg.optim)]
 
     def frozen_roles(self) -> list[str]:
         return [role for role in ("reference", "teacher") if getattr(self, role) is not None]
@@ -257,17 +261,24 @@ class OnlineRLModule(PosttrainModule):
         if "kl_controller" in checkpoint and self.kl_controller is not None:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
 
-    def on_fit_start(self):
+    def on_train_start(self):
+        # not on_fit_start: under trainer=ddp and fsdp Lightning restores a checkpoint after
+        # on_fit_start, and here a restored curriculum is already in place (it rebuilds from
+        # its state and estimates nothing); pass rates are estimated under the training precision
         settings = {"samples_per_prompt": 8, "rollout": str(self.rollout_cfg), "reward": str(self.reward_cfg),
                     "seed": self.seed}
-        self.curriculum.setup(self.estimate_pass_rates, self.weights_fingerprint(), settings)
+        with self.training_precision():
+            self.curriculum.setup(self.estimate_pass_rates, self.weights_fingerprint, settings)
 
     def weights_fingerprint(self) -> str:
-        """A short hash of the policy's current weights (what the pass rates were measured on)."""
+        """A short hash of the policy's current weights (what the pass rates were measured on).
+        Under FSDP every rank takes part: each sharded tensor is gathered in turn, hashed and
+        dropped, so no device ever holds the whole model."""
         digest = hashlib.sha256()
-        for name, tensor in full_state_dict(self.policy, rank0_only=False).items():  # whole, also under FSDP
+        for name, tensor in self.policy.state_dict().items():
+            whole = tensor.full_tensor() if is_dtensor(tensor) else tensor
             digest.update(name.encode())
-            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+            digest.update(whole.detach().float().cpu().numpy().tobytes())
         return digest.hexdigest()[:16]
 
     # --- the training step: four stages ----------------------------------------------------
@@ -288,7 +299,13 @@ class OnlineRLModule(PosttrainModule):
         stats = timed("update", self.update, exp, has_signal)
 
         if self.kl_controller is not None and "policy/kl" in stats:
-            self.kl_controller.update(stats["policy/kl"], n_steps=len(exp))
+            # one beta on every rank, that of the whole batch: each rank's KL stat is its share
+            # of the global aggregate times the world size (global token counts), so their mean
+            # is the global KL; the controller counts the rows of every rank
+            world = rank_and_world()[1]
+            kl_sum, rows = all_reduce_sum(torch.tensor([stats["policy/kl"], float(len(exp))],
+                                                       dtype=torch.float64, device=self.device)).tolist()
+            self.kl_controller.update(kl_sum / world, n_steps=int(rows))
             metrics["policy/kl_coef"] = float(self.kl_controller.value)
         metrics.update(stats)
         metrics.update(advantage_metrics)
@@ -370,23 +387,34 @@ class OnlineRLModule(PosttrainModule):
         kept, metrics, rounds, groups_seen, dropped = [], {}, 0, 0, 0
         need = self.prompts_per_step
         first = None
-        while need > 0 and rounds <= self.curriculum.max_extra_rounds:
-            examples = self.curriculum.next_prompts(need if rounds == 0 else self.prompts_per_step)
+        while rounds <= self.curriculum.max_extra_rounds and self.any_rank_needs(need):
+            # a rank whose batch is full samples along on one prompt, kept by none: under FSDP
+            # each generate call gathers the weights, a collective every rank must join
+            count = need if rounds == 0 else self.prompts_per_step if need > 0 else 1
+            examples = self.curriculum.next_prompts(count)
             experience, reward_metrics = self.sample_and_score(examples, groups_seen, generator)
             if rounds == 0:
                 metrics.update(reward_metrics)
                 first = experience
             groups_seen += len(examples)
+            if need == 0:  # sampled along only
+                rounds += 1
+                continue
             keep = self.curriculum.keep_groups(experience.scores, experience.correct, experience.group_index)
             dropped += int((~keep).sum()) // self.group_size
             kept_groups = experience.group_index[keep].unique()[:need]  # whole groups, no more than needed
             kept.append(experience.select(torch.isin(experience.group_index, kept_groups)))
             need -= len(kept_groups)
             rounds += 1
-        # the first round is an unbiased sample of the policy: what curricula and logs should see
-        metrics["rollout/prefilter_reward_mean"] = float(first.scores.mean())
-        if not torch.isnan(first.correct).any():
-            metrics["rollout/prefilter_accuracy"] = float(first.correct.mean())
+        # the first round is an unbiased sample of the policy: what curricula and logs should
+        # see, over every rank's first round, so that a curriculum decides alike on every rank
+        # (a NaN accuracy, a reward without a verifier, is NaN on every rank)
+        reward_sum, correct_sum, rows = all_reduce_sum(torch.stack(
+            [first.scores.double().sum(), first.correct.double().sum(),
+             torch.tensor(float(len(first)), dtype=torch.float64, device=self.device)])).tolist()
+        metrics["rollout/prefilter_reward_mean"] = reward_sum / rows
+        if not math.isnan(correct_sum):
+            metrics["rollout/prefilter_accuracy"] = correct_sum / rows
         nonempty = [k for k in kept if len(k)]
         if self.curriculum.max_extra_rounds:
             metrics.update({"curriculum/extra_rounds": float(rounds - 1), "curriculum/dropped_groups": float(dropped),
@@ -395,6 +423,11 @@ class OnlineRLModule(PosttrainModule):
         # a rank without an informative group still joins the update (its advantages are 0)
         exp = Experience.concat(nonempty, self.tokenizer.pad_token_id) if nonempty else first
         return exp, metrics, has_signal
+
+    def any_rank_needs(self, need: int) -> bool:
+        """Whether some rank's batch still needs groups: the ranks take the same number of
+        sampling rounds."""
+        return bool(all_reduce_max(torch.tensor(need, device=self.device)) > 0)
 
     # --- 2. annotate -------------------------------------------------------------------------
     @torch.no_grad()
@@ -425,8 +458,10 @@ class OnlineRLModule(PosttrainModule):
             # the KL part of each sequence's return, batch mean
             metrics["rewards/kl_penalty"] = float(-self.kl_controller.value * core.masked_sum(kl, mask) / len(exp))
         exp.token_rewards = token_rewards
+        # batch statistics (whitening, scale=batch) are those of every rank's rows together
         exp.advantages, exp.returns = core.compute_advantages(self.advantage_name, token_rewards, mask,
                                                               exp.group_index, values=exp.values,
+                                                              batch_sum=all_reduce_sum,
                                                               **self.advantage_options, **step_options)
         if self.distill_mode == "reward":
             # on-policy distillation: each token's own reward coef * (log p_T(y_t) - log p_S(y_t)),
@@ -458,57 +493,73 @@ class OnlineRLModule(PosttrainModule):
         train_policy = has_signal and self.train_batches_seen >= self.critic_warmup_batches
         if not train_policy and self.critic is None:
             return {"perf/skipped_update": 1.0}
-        size = len(exp)
-        minibatch = max(1, size // self.num_minibatches)
         generator = torch.Generator().manual_seed(self.rank_seed(self.seed * 7919 + self.train_batches_seen))
+        # what a rank computes, weighted 0, in the micro-batches it runs beyond its own rows (see
+        # accumulate_gradients), also in a minibatch it has no rows of (more minibatches than rows)
+        stand_in = exp.select(torch.zeros(1, dtype=torch.long, device=self.device))
         totals: dict[str, float] = {}
-        updates = 0
+        updates: dict[str, int] = {}
         for _ in range(self.ppo_epochs):
-            order = torch.randperm(size, generator=generator).to(self.device)
-            for start in range(0, size - minibatch + 1, minibatch):
+            order = torch.randperm(len(exp), generator=generator).to(self.device)
+            # exactly num_minibatches minibatches of near-equal sizes, whatever the rank's row
+            # count (dynamic sampling's differ): each is an optimiser step every rank takes
+            for rows in order.tensor_split(self.num_minibatches):
                 # a random set of rows, kept in batch order: the loss is a sum over rows, and a
                 # group's rows stay together, so the forward computes their prompt once
-                rows = order[start:start + minibatch].sort().values
-                stats = self.minibatch_step(exp.select(rows), train_policy)
+                stats = self.minibatch_step(exp.select(rows.sort().values), train_policy, stand_in)
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
-                updates += 1
-        metrics = {k: v / updates for k, v in totals.items()}
+                    updates[k] = updates.get(k, 0) + 1
+        metrics = {k: v / updates[k] for k, v in totals.items()}
         metrics["perf/nonfinite_grad_steps"] = float(self.nonfinite_steps)
         if not train_policy:
             metrics["perf/skipped_update"] = 1.0
         return metrics
 
-    def minibatch_step(self, exp: Experience, train_policy: bool) -> dict[str, float]:
-        """One optimiser step per trainable role over a minibatch."""
+    def minibatch_step(self, exp: Experience, train_policy: bool, stand_in: Experience | None = None) -> dict[str, float]:
+        """One optimiser step per trainable role over a minibatch (`stand_in`: see accumulate_gradients)."""
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         for optimizer in optimizers:
             optimizer.zero_grad()
-        sums = self.accumulate_gradients(exp, train_policy)
+        sums = self.accumulate_gradients(exp, train_policy, stand_in)
         if train_policy:
             sums["policy/grad_norm"] = self.optimiser_step(optimizers[0], self.policy_parameters(), self.max_grad_norm,
                                                            count_step=True)
-        if self.critic is not None and not self.shared_critic:
-            sums["critic/grad_norm"] = self.optimiser_step(optimizers[1], self.critic.trainable_parameters(),
+        if self.critic is not None:  # also in the critic's warm-up, when the policy does not step
+            sums["critic/grad_norm"] = self.optimiser_step(optimizers[1], self.critic_parameters(),
                                                            self.critic_cfg.max_grad_norm, count_step=False)
         return sums
 
-    def accumulate_gradients(self, exp: Experience, train_policy: bool = True) -> dict[str, float]:
+    def accumulate_gradients(self, exp: Experience, train_policy: bool = True,
+                             stand_in: Experience | None = None) -> dict[str, float]:
         """Backward of the summed loss terms over the minibatch's micro-batches, with token and
         sequence counts summed over micro-batches and ranks (so the gradient is the full
-        batch's, however it is split). Returns the terms' stats."""
+        batch's, however it is split). Returns the terms' stats.
+
+        Every rank runs as many micro-batches as the rank with the most (under FSDP each forward
+        and backward is a collective): a rank with fewer rows pads with micro-batches of
+        `stand_in` (a one-row Experience; default: exp's first row) whose loss is weighted 0, so
+        they add exactly nothing to the gradient or the stats."""
         mask = self.loss_mask(exp)
         num_tokens, num_seqs = core.count_tokens_and_seqs(mask, count_empty_rows=self.aggregation["count_empty_rows"])
         counts = dict(num_tokens=all_reduce_sum(num_tokens), num_seqs=all_reduce_sum(num_seqs),
                       dp_size=rank_and_world()[1])
         aggregation = {**self.aggregation, **counts}
         train_critic = self.critic is not None
-        micro = self.micro_batch_size or len(exp)
+        micro = self.micro_batch_size or max(1, len(exp))
+        starts = range(0, len(exp), micro)
+        num_micro = int(all_reduce_max(torch.tensor(len(starts), device=self.device)))
+        stand_in = stand_in if stand_in is not None else exp.select(torch.zeros(1, dtype=torch.long, device=self.device))
         sums: dict[str, float] = {}
-        for start in range(0, len(exp), micro):
-            part = exp.select(torch.arange(start, min(start + micro, len(exp)), device=self.device))
-            part_mask = mask[start:start + micro]
+        for index in range(num_micro):
+            padding = index >= len(starts)
+            if padding:
+                part, part_mask = stand_in, self.loss_mask(stand_in)
+            else:
+                start = starts[index]
+                part = exp.select(torch.arange(start, min(start + micro, len(exp)), device=self.device))
+                part_mask = mask[start:start + micro]
             logp, entropy, values, logits = self.training_forward(part, with_values=train_critic)
             teacher_logits = None
             if self.distill_mode == "full" and train_policy:
@@ -524,7 +575,10 @@ class OnlineRLModule(PosttrainModule):
                 losses.append(loss)
                 stats.update({f"{term.prefix}/{k}": float(v) for k, v in term_stats.items()})
             if losses:
-                self.manual_backward(torch.stack(losses).sum())
+                # a stand-in's backward still runs (FSDP's reduce-scatter), with a zero gradient
+                self.manual_backward(torch.stack(losses).sum() * (0.0 if padding else 1.0))
+            if padding:
+                continue
             # values aggregated with the global counts add up over micro-batches; the other
             # stats are micro-batch means, weighted by their token share
             share = float(part_mask.sum() / num_tokens.clamp(min=1))
@@ -583,8 +637,13 @@ class OnlineRLModule(PosttrainModule):
                                                temperature=self.sampling_params().logprob_temperature)
 
     def policy_parameters(self):
-        head = list(self.critic.head.parameters()) if self.critic is not None and self.shared_critic else []
-        return [p for p in self.policy.parameters() if p.requires_grad] + head
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def critic_parameters(self):
+        """What the critic's optimiser steps: with a shared backbone only the value head (the
+        backbone is the policy's, stepped by the policy's optimiser with the value loss's
+        gradient in it), else the critic's own backbone and head."""
+        return list(self.critic.head.parameters()) if self.shared_critic else self.critic.trainable_parameters()
 
     def optimiser_step(self, optimizer, parameters, max_norm, count_step: bool) -> float:
         """Average gradients over ranks, skip (and count) a step whose gradient norm is not

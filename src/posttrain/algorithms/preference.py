@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from posttrain import core
 from posttrain.algorithms.base import OfflineModule
 from posttrain.data.preference import collate_pairs
-from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
-from posttrain.distributed.sharding import is_sharded
+from posttrain.distributed.collectives import all_reduce_sum, rank_and_world, rank_share
 from posttrain.errors import CheckpointError, ConfigError, DataError
 from posttrain.models.lora import has_adapter, reference_is_the_base, reference_model
 from posttrain.models.roles import build_role
@@ -141,29 +140,29 @@ class PreferenceModule(OfflineModule):
         scores its share of the pairs and the shares are summed, so every rank holds all."""
         if not self.uses_reference or self.reference_logps:
             return
-        with torch.no_grad(), self.reference() as model:
+        # under the training forwards' precision (bf16 autocast with bf16-mixed): at step 0,
+        # where the policy is the reference, the implicit rewards are then 0, not a rounding offset
+        with torch.no_grad(), self.training_precision(), self.reference() as model:
             for split in CACHED_SPLITS:
                 pairs = self.source.pairs(split)
                 logps = torch.zeros(len(pairs), 2, device=self.device)
-                for rows, batch in self.rank_batches(pairs, model):
+                for rows, counted, batch in self.rank_batches(pairs):
                     both = torch.stack(self.pair_logps(model, batch), dim=1).float()
-                    logps[rows] = both[:rows.stop - rows.start]  # none of a stand-in batch
+                    logps[rows[counted]] = both[counted]  # none of the stand-ins
                     self.reference_forwards += 1
                 self.reference_logps[split] = all_reduce_sum(logps)
 
-    def rank_batches(self, pairs, model):
-        """(rows, collated batch) of this rank's share of `pairs`: rank r of W takes batches
-        r, r+W, r+2W, ... of `batch_size` pairs. A sharded (FSDP2) model's forward gathers its
-        weights with every rank, so there each rank runs the same number of forwards: one whose
-        share has run out joins with a stand-in batch (the first pair) and empty `rows`."""
-        rank, world = rank_and_world()
-        stride = world * self.batch_size
-        rounds = -(-len(pairs) // stride) if is_sharded(model) else None
-        stop = len(pairs) if rounds is None else rounds * stride
-        for start in range(rank * self.batch_size, stop, stride):
-            rows = slice(min(start, len(pairs)), min(start + self.batch_size, len(pairs)))
-            chunk = pairs[rows] if rows.stop > rows.start else pairs[:1]
-            yield rows, self.on_device(collate_pairs(chunk, self.tokenizer))
+    def rank_batches(self, pairs):
+        """(pair indices [b], counted flags [b], collated batch) of this rank's share of `pairs`
+        (collectives.rank_share: pairs r, r+W, r+2W, ...), in batches of `batch_size`. A sharded
+        (FSDP2) model's forward gathers its weights with every rank, so every rank runs the same
+        number of forwards: a shorter share ends with a stand-in pair, which counts for nothing."""
+        indices, counted = rank_share(len(pairs))
+        for start in range(0, len(indices), self.batch_size):
+            rows = indices[start:start + self.batch_size]
+            yield (torch.tensor(rows, device=self.device),
+                   torch.tensor(counted[start:start + self.batch_size], device=self.device),
+                   self.on_device(collate_pairs([pairs[i] for i in rows], self.tokenizer)))
 
     def cached_reference(self, split: str, pairs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(log pi_ref(chosen), log pi_ref(rejected)) [B] of `pairs` from the cache; (None, None) for SimPO."""
@@ -179,15 +178,22 @@ class PreferenceModule(OfflineModule):
         rows = self.reference_logps[split][[index[pair_key(p)] for p in pairs]]
         return rows[:, 0], rows[:, 1]
 
-    def on_fit_start(self) -> None:
+    def on_train_start(self) -> None:
+        # not on_fit_start: under trainer=ddp and fsdp Lightning restores a checkpoint after
+        # on_fit_start, and a resumed run takes its cache from the checkpoint
         self.ensure_reference_logps()
 
     # --- training ---------------------------------------------------------------------------------
-    def pair_output(self, model, batch, split: str):
+    def pair_output(self, model, batch, split: str, counted: torch.Tensor | None = None):
+        """The preference loss's output on the batch's pairs, or on those `counted` ([B] bool) of
+        them: the forward runs on every pair (under FSDP it is a collective), stand-ins too."""
         chosen, rejected = self.pair_logps(model, batch)
-        ref_chosen, ref_rejected = self.cached_reference(split, batch["pairs"])
-        return self.preference_output(chosen, rejected, ref_chosen, ref_rejected,
-                                      batch["chosen_len"], batch["rejected_len"])
+        pairs, chosen_len, rejected_len = batch["pairs"], batch["chosen_len"], batch["rejected_len"]
+        if counted is not None:
+            chosen, rejected, chosen_len, rejected_len = (x[counted] for x in (chosen, rejected, chosen_len, rejected_len))
+            pairs = [pair for pair, keep in zip(pairs, counted.tolist()) if keep]
+        ref_chosen, ref_rejected = self.cached_reference(split, pairs)
+        return self.preference_output(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len)
 
     def training_step(self, batch, batch_idx):
         out = self.pair_output(self.policy, batch, "train")
@@ -223,11 +229,12 @@ class PreferenceModule(OfflineModule):
         if not pairs:
             return
         sums = torch.zeros(6, device=self.device)
-        for rows, batch in self.rank_batches(pairs, self.policy):
-            out = self.pair_output(self.policy, batch, "validation")
-            if rows.stop > rows.start:  # not a stand-in batch
-                sums += pair_sums(out, len(batch["pairs"]))
-        self.log_means(all_reduce_sum(sums), "eval/loss", "eval/")  # one collective: ranks' batch counts differ
+        for _, counted, batch in self.rank_batches(pairs):
+            if not counted.any():  # stand-ins only: the forward (a collective under FSDP), nothing counted
+                self.pair_logps(self.policy, batch)
+                continue
+            sums += pair_sums(self.pair_output(self.policy, batch, "validation", counted), int(counted.sum()))
+        self.log_means(all_reduce_sum(sums), "eval/loss", "eval/")  # every rank's pairs
 
     # --- checkpoints ----------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

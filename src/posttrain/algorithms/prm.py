@@ -81,15 +81,17 @@ class PRMModule(OfflineModule):
         self._eval_sums = torch.zeros(6, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch, batch_idx):
-        logits, valid, truth = self.step_logits(batch), batch["step_mask"], batch["verifier"]
+        # the forward runs on every row (a collective under FSDP); the stand-ins that even out the
+        # ranks' shares (datamodule.val_dataloader) count for nothing
+        logits, steps, truth, counted = self.step_logits(batch), batch["step_mask"], batch["verifier"], batch["counted"]
+        valid = steps & counted[:, None]
         scores = torch.sigmoid(logits)
         right = ((scores >= 0.5) == (truth >= 0.5)) & valid
         loss_sum = F.binary_cross_entropy_with_logits(logits[valid], truth[valid], reduction="sum")
-        first_error = first_below(scores, valid, 0.5) == first_below(truth, valid, 0.5)
-        last = valid.sum(dim=1, keepdim=True) - 1
-        outcome = (scores.gather(1, last) >= 0.5) == (truth.gather(1, last) >= 0.5)
-        counts = [valid.sum(), right.sum(), loss_sum, valid.new_tensor(len(valid), dtype=torch.long),
-                  first_error.sum(), outcome.sum()]
+        first_error = (first_below(scores, steps, 0.5) == first_below(truth, steps, 0.5)) & counted
+        last = steps.sum(dim=1, keepdim=True) - 1
+        outcome = ((scores.gather(1, last) >= 0.5) == (truth.gather(1, last) >= 0.5)).squeeze(1) & counted
+        counts = [valid.sum(), right.sum(), loss_sum, counted.sum(), first_error.sum(), outcome.sum()]
         self._eval_sums += torch.stack([count.double() for count in counts])
 
     def on_validation_epoch_end(self):

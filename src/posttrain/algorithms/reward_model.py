@@ -96,7 +96,9 @@ class RewardModelModule(OfflineModule):
         self._eval_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch, batch_idx):
-        chosen, rejected = self.pair_scores(batch)
+        chosen, rejected = self.pair_scores(batch)  # every pair: the forward is a collective under FSDP
+        # the stand-ins that even out the ranks' shares (datamodule.val_dataloader) count for nothing
+        chosen, rejected = chosen[batch["counted"]], rejected[batch["counted"]]
         # pairs, ranked right, chosen sum, rejected sum: summed over ranks at the end
         self._eval_sums += torch.stack([torch.ones_like(chosen).sum(), (chosen > rejected).sum(), chosen.sum(),
                                         rejected.sum()]).double()

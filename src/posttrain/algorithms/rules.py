@@ -82,4 +82,12 @@ def distills(distill) -> bool:
         return False
     schedule = distill.get("coef_schedule") or {}
     end = schedule.get("end", 0.0) if schedule.get("name", "constant") != "constant" else 0.0
-    return distill.get("coef", 0.0) > 0 or end > 0
+    return (distill_weight("algorithm.distill.coef", distill.get("coef", 0.0)) > 0
+            or distill_weight("algorithm.distill.coef_schedule.end", end) > 0)
+
+
+def distill_weight(key: str, value) -> float:
+    """A distillation weight as read by `distills`; a ConfigError naming `key` when it is no number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}={value!r} is not valid: expected a number >= 0")
+    return value

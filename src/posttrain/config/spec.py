@@ -147,7 +147,8 @@ class Values:
 
     def __getitem__(self, key: str):
         value = self.values.get(key, MISSING)
-        if value is MISSING or key in self.bad:
+        # a node is as unusable as any key under it: a rule would read the refused value inside it
+        if value is MISSING or key in self.bad or any(bad.startswith(f"{key}.") for bad in self.bad):
             raise Unusable(key)
         return value
 

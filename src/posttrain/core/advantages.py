@@ -29,17 +29,25 @@ Peer conventions as options (defaults are ours):
     ``scale_rewards="none"``). TRL's eps is 1e-4 (``eps=1e-4``).
   * ``keep_degenerate`` (reinforce_pp_baseline): keep the whitened values of degenerate
     groups instead of resetting them to 0 (verl).
+
+Batch statistics under data parallelism: whitening (gae, reinforce_pp, reinforce_pp_baseline)
+and group_norm's ``scale="batch"`` read the whole batch's mean and std. A caller whose batch is
+split over ranks passes ``batch_sum`` (a function summing a tensor over the ranks, see
+``masked.BatchSum``) and gets the statistics of the union batch, as the peers do (verl
+computes advantages on the whole batch in its driver; TRL gathers the rewards of every process
+before scaling); group statistics need none (a group lives on one rank).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .groups import GroupIndex, group_ids, group_max, group_mean, group_min, group_std, group_sum
-from .masked import masked_sum, masked_var, masked_whiten
+from .masked import BatchSum, masked_sum, masked_var, masked_whiten
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -109,7 +117,7 @@ def _degenerate(scores: torch.Tensor, g: GroupIndex, singleton: str = "zero") ->
 @torch.no_grad()
 def grpo_advantages(
     token_rewards, mask, group_index, values=None, *, eps: float = 1e-6, scale: str = "group",
-    singleton: str = "zero",
+    singleton: str = "zero", batch_sum: BatchSum | None = None,
 ):
     """GRPO (Shao et al. 2024): A_i = (R_i - mean_G R) / (std_G R + eps), unbiased std.
 
@@ -135,7 +143,7 @@ def grpo_advantages(
             std = torch.where(single, torch.ones_like(std), std)
         centred = centred / (std + eps)
     elif scale == "batch":
-        std = masked_var(scores, valid.any(-1), unbiased=True).sqrt()
+        std = masked_var(scores, valid.any(-1), unbiased=True, batch_sum=batch_sum).sqrt()
         centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
     if singleton == "raw":
         centred = torch.where(single, scores, centred)
@@ -187,7 +195,8 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
 
 @torch.no_grad()
 def reinforce_pp_advantages(
-    token_rewards, mask, group_index=None, values=None, *, gamma: float = 1.0, whiten_eps: float = 1e-8
+    token_rewards, mask, group_index=None, values=None, *, gamma: float = 1.0, whiten_eps: float = 1e-8,
+    batch_sum: BatchSum | None = None,
 ):
     """REINFORCE++ (Hu 2025): A_t = whiten_batch(sum_{k>=t} gamma^(k-t) r_k), global whitening.
 
@@ -195,14 +204,14 @@ def reinforce_pp_advantages(
     """
     valid = _validate(token_rewards, mask)
     returns = discounted_returns(token_rewards, valid, gamma)
-    adv = masked_whiten(returns, valid, shift_mean=True, eps=whiten_eps)
+    adv = masked_whiten(returns, valid, shift_mean=True, eps=whiten_eps, batch_sum=batch_sum)
     return adv, returns
 
 
 @torch.no_grad()
 def reinforce_pp_baseline_advantages(
     token_rewards, mask, group_index, values=None, *, whiten_eps: float = 1e-8,
-    singleton: str = "zero", keep_degenerate: bool = False,
+    singleton: str = "zero", keep_degenerate: bool = False, batch_sum: BatchSum | None = None,
 ):
     """REINFORCE++-baseline (Hu 2025): A_i = whiten_batch(R_i - mean_G R) over valid tokens.
 
@@ -219,7 +228,7 @@ def reinforce_pp_baseline_advantages(
     scores = sequence_scores(token_rewards, mask)
     g = _groups(group_index, valid)
     adv, _ = dr_grpo_advantages(token_rewards, mask, group_index, singleton=singleton)
-    adv = masked_whiten(adv, valid, shift_mean=True, eps=whiten_eps)
+    adv = masked_whiten(adv, valid, shift_mean=True, eps=whiten_eps, batch_sum=batch_sum)
     if not keep_degenerate:
         adv = torch.where(_degenerate(scores, g, singleton).unsqueeze(-1), torch.zeros_like(adv), adv)
     return adv, adv.clone()
@@ -236,6 +245,7 @@ def gae_advantages(
     lam: float = 0.95,
     whiten: bool = True,
     whiten_eps: float = 1e-8,
+    batch_sum: BatchSum | None = None,
 ):
     """GAE (Schulman et al. 2016): A_t = sum_l (gamma lam)^l delta_{t+l},
     delta_t = r_t + gamma V_{t+1} - V_t; returns = A + V (computed before optional whitening).
@@ -260,7 +270,7 @@ def gae_advantages(
     adv = torch.where(valid, adv, torch.zeros_like(adv))
     returns = torch.where(valid, adv + values, torch.zeros_like(adv))
     if whiten:
-        adv = masked_whiten(adv, valid, shift_mean=True, eps=whiten_eps)
+        adv = masked_whiten(adv, valid, shift_mean=True, eps=whiten_eps, batch_sum=batch_sum)
     return adv, returns
 
 
@@ -315,7 +325,12 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
 }
 
 
-def compute_advantages(name: str, token_rewards, mask, group_index, values=None, **options):
-    """``ADVANTAGE_ESTIMATORS[name](token_rewards, mask, group_index, values, **options)``."""
+def compute_advantages(name: str, token_rewards, mask, group_index, values=None, batch_sum: BatchSum | None = None,
+                       **options):
+    """``ADVANTAGE_ESTIMATORS[name](token_rewards, mask, group_index, values, **options)``;
+    ``batch_sum`` reaches the estimators with batch statistics (see the module doc), the
+    others have none to sum."""
     fn = lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+    if batch_sum is not None and "batch_sum" in inspect.signature(fn).parameters:
+        options["batch_sum"] = batch_sum
     return fn(token_rewards, mask, group_index, values, **options)

@@ -8,9 +8,15 @@ never a division by zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .checks import valid_mask
+
+# Sums a statistic of this part of a batch over every part (under data parallelism: an
+# all-reduce over the ranks, which the caller passes in; core runs no collective itself).
+BatchSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _weights(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -47,41 +53,58 @@ def masked_count(mask: torch.Tensor, dim: int | None = None, keepdim: bool = Fal
     return m.sum() if dim is None else m.sum(dim=dim, keepdim=keepdim)
 
 
+def _summed_over_batch(batch_sum: BatchSum | None, dim: int | None) -> BatchSum:
+    """The sum over the whole batch of a statistic of this part of it: ``batch_sum`` (it adds
+    the parts held elsewhere, e.g. the data-parallel ranks'), or the statistic itself."""
+    if batch_sum is None:
+        return lambda total: total
+    if dim is not None:
+        raise ValueError("batch_sum sums statistics over every entry of the batch: it needs dim=None")
+    return batch_sum
+
+
 def masked_mean(
-    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, keepdim: bool = False
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, keepdim: bool = False,
+    batch_sum: BatchSum | None = None,
 ) -> torch.Tensor:
-    """sum(x * m) / sum(m); 0 where nothing is valid."""
-    total = masked_sum(x, mask, dim=dim, keepdim=keepdim)
-    count = masked_count(mask, dim=dim, keepdim=keepdim, dtype=x.dtype)
+    """sum(x * m) / sum(m); 0 where nothing is valid. With ``batch_sum`` (dim None), the sums
+    are the whole batch's (see `_summed_over_batch`)."""
+    summed = _summed_over_batch(batch_sum, dim)
+    total = summed(masked_sum(x, mask, dim=dim, keepdim=keepdim))
+    count = summed(masked_count(mask, dim=dim, keepdim=keepdim, dtype=x.dtype))
     return _safe_div(total, count)
 
 
 def masked_var(
     x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, dim: int | None = None,
-    keepdim: bool = False,
+    keepdim: bool = False, batch_sum: BatchSum | None = None,
 ) -> torch.Tensor:
     """sum(m (x - mean)^2) / (n - 1) (unbiased) or / n; 0 when n <= 1 (unbiased) or n == 0.
 
     Defining the variance of a single element as 0 (instead of torch's NaN) keeps whitening
-    of tiny batches finite: the centred value is 0 there anyway.
+    of tiny batches finite: the centred value is 0 there anyway. With ``batch_sum`` (dim
+    None), mean, sums and n are the whole batch's.
     """
-    mean = masked_mean(x, mask, dim=dim, keepdim=True)
-    sq = masked_sum((x - mean) ** 2, mask, dim=dim, keepdim=keepdim)
-    n = masked_count(mask, dim=dim, keepdim=keepdim, dtype=x.dtype)
+    summed = _summed_over_batch(batch_sum, dim)
+    mean = masked_mean(x, mask, dim=dim, keepdim=True, batch_sum=batch_sum)
+    sq = summed(masked_sum((x - mean) ** 2, mask, dim=dim, keepdim=keepdim))
+    n = summed(masked_count(mask, dim=dim, keepdim=keepdim, dtype=x.dtype))
     return _safe_div(sq, n - 1 if unbiased else n)
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+    batch_sum: BatchSum | None = None,
 ) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over all valid entries (unbiased var); padding -> 0.
 
     With ``shift_mean=False`` the mean is added back (scale only). Zero-variance input maps
-    to 0 (or to the mean), not NaN, thanks to ``eps`` and the n <= 1 convention above.
+    to 0 (or to the mean), not NaN, thanks to ``eps`` and the n <= 1 convention above. With
+    ``batch_sum`` the statistics are the whole batch's, of which ``x`` is a part.
     """
     valid = valid_mask(mask)
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
+    mean = masked_mean(x, mask, batch_sum=batch_sum)
+    var = masked_var(x, mask, unbiased=True, batch_sum=batch_sum)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

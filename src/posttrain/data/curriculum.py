@@ -36,6 +36,9 @@ from posttrain.errors import ConfigError
 from posttrain.files import write_json_atomic
 
 EstimatePassRates = Callable[[list[Example]], list[float]]
+# The starting weights' fingerprint, computed when called: only a curriculum that scores its
+# pool reads it, and hashing a large (sharded) policy is not free.
+WeightsFingerprint = Callable[[], str]
 
 
 def _plain(value):
@@ -83,14 +86,15 @@ class Curriculum:
     def __init__(self, cursor: ExampleCursor):
         self.cursor = cursor
 
-    def setup(self, estimate_pass_rates: EstimatePassRates, fingerprint: str, settings: dict) -> None:
-        """Called before training (again after a resume, after `load_state_dict`).
+    def setup(self, estimate_pass_rates: EstimatePassRates, fingerprint: WeightsFingerprint,
+              settings: dict) -> None:
+        """Called before training (after a resume: after `load_state_dict`).
 
         ``estimate_pass_rates(prompts) -> [len(prompts)] floats in [0, 1]``: each prompt's
-        pass rate under the starting policy. ``fingerprint`` identifies the starting
+        pass rate under the starting policy. ``fingerprint()`` identifies the starting
         weights and ``settings`` (a JSON-like dict) how rates are estimated; both feed the
         on-disk cache key (`pass_rate_cache_key`). A curriculum restored from a checkpoint
-        must not call ``estimate_pass_rates``: the weights are no longer the starting ones.
+        must call neither: the weights are no longer the starting ones.
         """
 
     def next_prompts(self, count: int) -> list[Example]:
@@ -173,7 +177,8 @@ class PassRateFilter(Curriculum):
     def build_pool(self) -> list[Example]:
         return ExampleCursor(self.cursor.source, "train", self.cursor.seed, position=0).take(self.pool_size)
 
-    def setup(self, estimate_pass_rates: EstimatePassRates, fingerprint: str, settings: dict) -> None:
+    def setup(self, estimate_pass_rates: EstimatePassRates, fingerprint: WeightsFingerprint,
+              settings: dict) -> None:
         pool = self.build_pool()
         digest = pool_digest(pool)
         if self.kept_indices is not None:  # restored (or already set up): never re-score
@@ -193,8 +198,10 @@ class PassRateFilter(Curriculum):
                 f"[{self.low}, {self.high}] (mean rate {sum(self.rates) / len(self.rates):.2f}); widen the band"
             )
 
-    def load_or_estimate(self, pool, estimate_pass_rates, fingerprint: str, settings: dict) -> list[float]:
-        key = pass_rate_cache_key(pool, fingerprint, settings)
+    def load_or_estimate(self, pool, estimate_pass_rates, fingerprint: WeightsFingerprint,
+                         settings: dict) -> list[float]:
+        start_weights = fingerprint()
+        key = pass_rate_cache_key(pool, start_weights, settings)
         cache = self.cache_dir / f"pass_rates-{key}.json" if self.cache_dir else None
         if cache is not None and cache.is_file():
             stored = json.loads(cache.read_text())
@@ -207,7 +214,7 @@ class PassRateFilter(Curriculum):
             raise ConfigError("data_curriculum=pass_rate_filter needs a reward with a verifier accuracy term: "
                               "the pass rates came back NaN")
         if cache is not None:
-            write_json_atomic(cache, {"rates": rates, "key": key, "start_weights": fingerprint,
+            write_json_atomic(cache, {"rates": rates, "key": key, "start_weights": start_weights,
                                       "settings": _plain(settings)})
         return rates
 

@@ -12,12 +12,11 @@ from typing import Callable
 
 import lightning as L
 import torch
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from posttrain.data.examples import Example, PromptLimits
 from posttrain.data.templates import render_chat
-from posttrain.distributed.collectives import rank_and_world
+from posttrain.distributed.collectives import rank_and_world, rank_share
 from posttrain.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -283,14 +282,21 @@ class PosttrainDataModule(L.LightningDataModule):
                           collate_fn=lambda b: self.train_collate(b, self.tokenizer))
 
     def val_dataloader(self) -> DataLoader:
-        if self.eval_on_pairs:
-            # each held-out pair counted once over the ranks: Lightning's own sampler would repeat
-            # pairs to even out the ranks' shares (it keeps a loader that already has one)
-            pairs = self.source.pairs(self.eval_split)
-            rank, world = rank_and_world()
-            sampler = UnrepeatedDistributedSampler(pairs, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
-            collate = self.eval_collate  # pairs (reward model) or step rows (PRM): the module's own collate
-            return DataLoader(pairs, batch_size=self.eval_batch_size, sampler=sampler,
-                              collate_fn=lambda b: collate(b, self.tokenizer))
-        return DataLoader(self.eval_examples, batch_size=self.eval_batch_size, shuffle=False,
-                          collate_fn=lambda b: collate_prompts(b, self.tokenizer))
+        """This rank's held-out batches: prompts, or with `eval_on_pairs` the pairs (reward
+        model) or step rows (PRM) batched by the module's own collate. Each item counts once
+        over the ranks (Lightning's sampler would repeat items to even out the shares), and
+        every rank has as many batches of the same sizes, as a forward or generate call is a
+        collective under FSDP: the stand-ins that pad a shorter share (rank_share) come with
+        `counted` False in the batch's [B] bool `counted`, which the module's sums skip."""
+        items = self.source.pairs(self.eval_split) if self.eval_on_pairs else self.eval_examples
+        collate = self.eval_collate if self.eval_on_pairs else collate_prompts
+        share = list(zip(*rank_share(len(items))))  # (index, counted)
+
+        def collate_share(rows):
+            return {**collate([items[index] for index, _ in rows], self.tokenizer),
+                    "counted": torch.tensor([counted for _, counted in rows])}
+
+        # a sampler of one replica: the share is this rank's already, and Lightning splits a
+        # loader without a DistributedSampler again
+        sampler = DistributedSampler(share, num_replicas=1, rank=0, shuffle=False)
+        return DataLoader(share, batch_size=self.eval_batch_size, sampler=sampler, collate_fn=collate_share)

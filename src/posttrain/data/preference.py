@@ -47,6 +47,10 @@ class PreferencePair:
     messages: list[dict] | None = None  # the prompt as chat messages (rendered with the tokenizer's chat template)
     example: Example | None = None      # the task example it came from (embedded task), for verification
     origin: str | None = None           # where it was read (dataset: "<file> split 'train' row 12"), for errors
+    # whether each response ended with EOS: a sampled one cut by the generation budget never
+    # did, so its row gets none (embedded on-policy pairs)
+    chosen_ended: bool = True
+    rejected_ended: bool = True
 
 
 # --- collation ------------------------------------------------------------------------------
@@ -58,16 +62,19 @@ def pair_prompt_ids(pair: PreferencePair, tokenizer) -> list[int]:
 
 
 def collate_pairs(pairs: list[PreferencePair], tokenizer) -> dict:
-    """Right-padded rows prompt + response + EOS for both sides, the same token layout as SFT's
-    collate_sft (prompt rendered by posttrain.data.datamodule.prompt_token_ids / chat template):
-    chosen_input_ids, chosen_attention_mask, chosen_labels (-100 on prompt and padding),
-    rejected_input_ids, rejected_attention_mask, rejected_labels: [B, T] long;
-    chosen_len, rejected_len: [B] long response tokens including EOS; "pairs": the list."""
+    """Right-padded rows prompt + response + EOS for both sides (no EOS after a sampled response
+    that never generated one: `chosen_ended` / `rejected_ended`), the same token layout as
+    SFT's collate_sft (prompt rendered by posttrain.data.datamodule.prompt_token_ids / chat
+    template): chosen_input_ids, chosen_attention_mask, chosen_labels (-100 on prompt and
+    padding), rejected_input_ids, rejected_attention_mask, rejected_labels: [B, T] long;
+    chosen_len, rejected_len: [B] long response tokens including the EOS; "pairs": the list."""
     batch: dict = {"pairs": pairs}
     prompts = [pair_prompt_ids(pair, tokenizer) for pair in pairs]
     for side in ("chosen", "rejected"):
         texts = [getattr(pair, side) for pair in pairs]
-        responses = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        ended = [getattr(pair, f"{side}_ended") for pair in pairs]
+        responses = [ids + ([tokenizer.eos_token_id] if has_eos else [])
+                     for ids, has_eos in zip(tokenizer(texts, add_special_tokens=False)["input_ids"], ended)]
         rows = [prompt + response for prompt, response in zip(prompts, responses)]
         labels = [[-100] * len(prompt) + response for prompt, response in zip(prompts, responses)]
         input_ids, attention_mask, label_ids = right_padded(rows, labels, tokenizer.pad_token_id)

@@ -20,11 +20,34 @@ def rank_and_world() -> tuple[int, int]:
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """x summed over ranks (a new tensor; x itself in a single process)."""
+    return all_reduced(x, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """x's maximum over ranks (a new tensor; x itself in a single process): how many times a
+    loop of collectives must run on every rank when its trip count depends on the rank's data."""
+    return all_reduced(x, dist.ReduceOp.MAX)
+
+
+def all_reduced(x: torch.Tensor, op) -> torch.Tensor:
     if rank_and_world()[1] == 1:
         return x
     out = x.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    dist.all_reduce(out, op=op)
     return out
+
+
+def rank_share(num_items: int) -> tuple[list[int], list[bool]]:
+    """This rank's share of `num_items` items that the ranks go through together (held-out
+    rows, whose forwards and generate calls are collectives under FSDP): (item indices, counted
+    flags). Rank r of W takes items r, r+W, r+2W, ..., so the shares are disjoint and together
+    hold every item once; a shorter share is padded at its end to ceil(num_items / W) items
+    with stand-ins (item 0, flagged not counted), so every rank has as many items and, batched
+    alike, as many batches of the same sizes."""
+    rank, world = rank_and_world()
+    mine = list(range(rank, num_items, world))
+    stand_ins = -(-num_items // world) - len(mine)
+    return mine + [0] * stand_ins, [True] * len(mine) + [False] * stand_ins
 
 
 def average_gradients(parameters) -> None:

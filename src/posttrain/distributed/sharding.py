@@ -308,15 +308,17 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
 def consolidated_model(model: nn.Module) -> nn.Module | None:
     """What the Hugging Face export writes: `model` itself when it is not sharded, else an
     unsharded copy with the full weights on rank 0 (None on the other ranks), in the dtype the
-    model was loaded in. Every rank must call it (it gathers)."""
+    model was loaded in. Any Hugging Face model class: a causal LM, or the token and sequence
+    classifiers of the PRM and the reward model. Every rank must call it (it gathers)."""
     if not is_sharded(model):
         return model
     state = full_state_dict(model, rank0_only=True)
     if dist.get_rank() != 0:
         return None
     with torch.device("meta"):
-        full = type(model)(model.config)
+        full = type(model)(model.config)  # FSDP2's subclass constructs the model's own class
     full.load_state_dict(state, assign=True)
     full.tie_weights()  # assign=True gave tied weights (embeddings, LM head) two tensors
-    full.generation_config = model.generation_config
+    if full.can_generate():  # a classifier has no generation settings
+        full.generation_config = model.generation_config
     return full.to(getattr(model, "posttrain_export_dtype", torch.float32)).eval()

@@ -9,7 +9,9 @@ model (ORM), and judged by the task's verifier. Then, for each n, the held-out a
 keeping one of n responses chosen by
 
     prm_last, prm_min, prm_product   the highest PRM score s_K, min_k s_k, prod_k s_k (Lightman et al. 2023)
-    majority                         the most frequent final answer (self-consistency, Wang et al. 2023)
+    majority                         the most frequent final answer (self-consistency, Wang et al. 2023);
+                                     the winning answer is as right as the share of its responses the
+                                     verifier judged right (they can disagree: a verifier timeout)
     orm                              the highest ORM score
     oracle                           the verifier: pass@n, the ceiling of any selector
     random                           no selector: the accuracy of one sample
@@ -170,13 +172,27 @@ def best_of_n_accuracies(judged: Judged, sizes: list[int], seed: int = 0) -> dic
             raise ConfigError(f"best_of_n.n: n={n} > {num_samples} responses sampled per prompt")
         for how, scores in judged.prm.items():
             results[f"bon/prm_{how}@{n}"] = float(core.best_of_n_expected_accuracy(scores, correct, n).mean())
-        results[f"bon/majority@{n}"] = float(
-            core.majority_vote_expected_accuracy(judged.answers, correct, n, generator=generator).mean())
+        results[f"bon/majority@{n}"] = float(core.majority_vote_expected_accuracy(
+            judged.answers, answer_verdicts(judged.answers, correct), n, generator=generator).mean())
         if judged.orm is not None:
             results[f"bon/orm@{n}"] = float(core.best_of_n_expected_accuracy(judged.orm, correct, n).mean())
         results[f"bon/oracle@{n}"] = float(core.pass_at_k(num_samples, correct.sum(dim=1), n).mean())
         results[f"bon/random@{n}"] = float(correct.mean())
     return results
+
+
+def answer_verdicts(answers: list[list[str | None]], correct: torch.Tensor) -> torch.Tensor:
+    """[P, N] correctness of each response's final answer, the same for every response that gave
+    it: the share of those responses the verifier judged right. Responses with one answer can
+    be judged differently (a verifier that timed out on one of them); a majority vote is then
+    right by the expectation over which of its responses' verdicts it takes. Where they agree,
+    this is their verdict; a response without an answer keeps its own (it casts no vote)."""
+    verdicts = correct.to(torch.float64).clone()
+    for p, row in enumerate(answers):
+        for answer in {a for a in row if a is not None}:
+            same = [i for i, other in enumerate(row) if other == answer]
+            verdicts[p, same] = verdicts[p, same].mean()
+    return verdicts
 
 
 def best_of_n_table(results: dict[str, float], sizes: list[int], title: str):

@@ -14,14 +14,16 @@ summary.json), unbiased pass@k from `num_samples` sampled responses per prompt, 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from posttrain.conf import CONFIG_DIR
-from posttrain.errors import ConfigError, DataError
+from posttrain.errors import ConfigError, DataError, PosttrainError
 from posttrain.run.boundary import log, run_inside_boundary, silence_expected_warnings
+from posttrain.run.cli import check_group_options
 from posttrain.run.run_dir import find_weights, is_adapter_dir, load_from_adapter
 
 # What a run's config.yaml decides, so that the tokenizer, task, prompts and numerics are training's.
@@ -235,6 +237,11 @@ def _hydra_entry(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    try:
+        check_group_options(sys.argv[1:])  # before Hydra, which would list every option and make a run dir
+    except PosttrainError as err:
+        print(f"posttrain-eval: error: {err}", file=sys.stderr)
+        sys.exit(1)
     _hydra_entry()
 
 

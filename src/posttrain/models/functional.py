@@ -176,18 +176,26 @@ def without_adapter_wrapper(model: nn.Module) -> nn.Module:
     return get_base_model() if callable(get_base_model) else model
 
 
-def effective_weight(linear: nn.Module) -> torch.Tensor:
-    """The weight a linear layer applies: its own, or for a LoRA layer (PEFT) its base weight
-    plus each active adapter's update scale * B @ A, computed out of place (merging into the
-    base and back would round the base weights at every rollout)."""
-    delta = getattr(linear, "get_delta_weight", None)
-    if delta is None or linear.merged or linear.disable_adapters:
-        return linear.weight
-    weight = linear.base_layer.weight
-    for name in linear.active_adapters:
-        if name in linear.lora_A:
+def effective_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight a linear or embedding layer applies: its own, or for a LoRA layer (PEFT) its
+    base weight plus each active adapter's update scale * B @ A (an embedding's: scale *
+    (B @ A)^T, [vocab, H]), computed out of place (merging into the base and back would round
+    the base weights at every rollout), so that the adapter gets its gradient through it."""
+    delta = getattr(layer, "get_delta_weight", None)
+    if delta is None or layer.merged or layer.disable_adapters:
+        return layer.weight
+    weight = layer.base_layer.weight
+    for name in layer.active_adapters:
+        if name in layer.lora_A or name in layer.lora_embedding_A:
             weight = weight + delta(name).to(weight.dtype)
     return weight
+
+
+def base_layer(layer: nn.Module) -> nn.Module:
+    """The plain torch layer under a LoRA layer (PEFT), ``layer`` itself otherwise: where the
+    layer's own settings (an embedding's padding_idx) live."""
+    get_base_layer = getattr(layer, "get_base_layer", None)
+    return get_base_layer() if callable(get_base_layer) else layer
 
 
 class FusedWeights:
@@ -206,10 +214,12 @@ class FusedWeights:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
-        self.embed = base.embed_tokens.weight
+        # the embedding and the LM head with their LoRA updates, when model.lora targets them
+        self.embed = effective_weight(base.embed_tokens)
+        self.embed_padding_idx = base_layer(base.embed_tokens).padding_idx  # its row gets no gradient
         self.final_gain = _scaled_gain(base.norm).to(base.norm.weight.dtype)  # lm_head is not copied
         self.final_floor = _norm_floor(base.norm)
-        self.lm_head = model.lm_head.weight
+        self.lm_head = effective_weight(model.lm_head)
         self.lm_head_bias = getattr(model.lm_head, "bias", None)
         self.rotary = base.rotary_emb
         self.layers = [self._fuse(layer) for layer in base.layers[: config.num_hidden_layers]]

@@ -84,7 +84,7 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     Differentiable when grad is enabled."""
     hf_model = without_adapter_wrapper(model)
     w = FusedWeights(hf_model)
-    pad = hf_model.model.embed_tokens.padding_idx  # its row gets no gradient, as in nn.Embedding
+    pad = w.embed_padding_idx  # its row gets no gradient, as in nn.Embedding
     batch, width = response_ids.shape
     g, u = group_size, batch // group_size
     prompt_ids, prompt_mask = prompt_ids[::g], prompt_mask[::g].bool()  # [U, P]

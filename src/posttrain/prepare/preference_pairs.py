@@ -36,7 +36,7 @@ log = logging.getLogger("posttrain")
 
 
 # Bump when the cached file's layout or the way pairs are made changes: old entries are then ignored.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a truncated sample's side records that it never generated an EOS
 
 
 def build_preference_source(cfg, task_source, tokenizer, policy) -> PreferenceSource:
@@ -117,8 +117,11 @@ def embedded_pairs(split: str, count: int, task_source, tokenizer, policy, cfg) 
     for start, examples, rollout in sampler.sample_prompts(task_source, split, count, n, settings.temperature,
                                                            cfg.data.max_response_tokens, generator):
         texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask)
+        # a sample cut by the budget generated no EOS (this sampler runs no repetition check)
+        ended = (~rollout.truncated).tolist()
         for offset, example in enumerate(examples):
-            pair = pair_for_prompt(example, texts[offset * n:(offset + 1) * n], task_source, rng)
+            rows = slice(offset * n, (offset + 1) * n)
+            pair = pair_for_prompt(example, texts[rows], task_source, rng, ended=ended[rows])
             if pair is not None:
                 pairs.append((start + offset, pair))
     if len(pairs) < count:
@@ -131,13 +134,17 @@ def embedded_pairs(split: str, count: int, task_source, tokenizer, policy, cfg) 
     return pairs
 
 
-def pair_for_prompt(example: Example, samples: list[str], task_source, rng: random.Random) -> PreferencePair | None:
+def pair_for_prompt(example: Example, samples: list[str], task_source, rng: random.Random,
+                    ended: list[bool] | None = None) -> PreferencePair | None:
     """On-policy when the samples hold a right and a wrong response, else the reference against
-    a perturbed copy; None when neither can be made."""
+    a perturbed copy; None when neither can be made. `ended`: whether each sample ended with
+    EOS (all did, when not given); a pair's side that did not gets no EOS in training."""
+    ended = [True] * len(samples) if ended is None else ended
     verdicts = [task_source.is_correct(example, text) for text in samples]
     if any(verdicts) and not all(verdicts):
-        chosen, rejected = samples[verdicts.index(True)], samples[verdicts.index(False)]
-        return PreferencePair(example.prompt, chosen, rejected, "on_policy", example.messages, example)
+        chosen, rejected = verdicts.index(True), verdicts.index(False)
+        return PreferencePair(example.prompt, samples[chosen], samples[rejected], "on_policy", example.messages,
+                              example, chosen_ended=ended[chosen], rejected_ended=ended[rejected])
     rejected = perturb_final_answer(example.response, rng, lambda text: not task_source.is_correct(example, text))
     if rejected is None:
         return None

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, RewardError
 from posttrain.rewards.base import RewardFunction, ScoredSample
 from posttrain.rewards.components import REWARD_FUNCTIONS
 from posttrain.rewards.composite import ON_ERROR_MODES, CompositeReward
@@ -72,6 +72,39 @@ def build_reward(reward_cfg: DictConfig, source, max_new_tokens: int, *, policy=
     run = {BUDGET_PARAM: max_new_tokens, **dict(zip(RUN_PARAMS, (policy, tokenizer)))}
     components = [_build_component(name, entry, run) for name, entry in entries.items()]
     return CompositeReward(components, on_error=on_error, failure_score=float(failure_score))
+
+
+def check_user_functions(reward_cfg: DictConfig, source, max_new_tokens: int) -> None:
+    """Call the user's reward functions (`target:` components) once on stand-in samples of
+    `source`, before anything is trained: a function that raises or returns NaN or no number
+    stops the run in seconds with the error training would give, not after the warm start
+    (with reward.on_error=fail as in training: only an answer that is no [B] scores stops it).
+    The samples are two responses to the first training prompt, one group: its reference
+    solution, ended, and that solution's first half, cut by the budget (a reward comparing a
+    group's responses sees two). No tokenizer exists yet: a response's length in characters
+    stands in for its tokens, and with data.step_separators its steps are cut at characters."""
+    cfg = OmegaConf.to_container(reward_cfg, resolve=True) if isinstance(reward_cfg, DictConfig) else dict(reward_cfg)
+    run = {BUDGET_PARAM: max_new_tokens, **dict.fromkeys(RUN_PARAMS)}
+    user_functions = [_build_component(name, entry, run) for name, entry in (cfg.get("components") or {}).items()
+                      if isinstance(entry, dict) and entry.get("target") is not None]
+    if not user_functions:
+        return
+    example = source.example("train", 0)
+    solution = example.response or example.answer or ""  # a prompt-and-answer task has no written solution
+    samples = [ScoredSample(example, solution, len(solution), truncated=False, group=0),
+               ScoredSample(example, solution[: len(solution) // 2], len(solution) // 2, truncated=True, group=0)]
+    step_rule = getattr(source, "step_rule", None)
+    if step_rule is not None:
+        for sample in samples:
+            ends = step_rule.step_ends(list(sample.response))  # each character a token
+            sample.steps = [sample.response[start + 1: end + 1] for start, end in zip([-1, *ends], ends)]
+    checked = CompositeReward(user_functions, on_error=cfg.get("on_error", "raise"),
+                              failure_score=float(cfg.get("failure_score", 0.0)))
+    try:
+        checked(samples, source)  # the checks training makes
+    except RewardError as err:
+        raise RewardError(f"a reward function failed when called once before training on stand-in samples "
+                          f"(a training prompt and its reference solution): {err}") from err
 
 
 def _build_component(name: str, entry: Any, run: dict[str, Any]) -> tuple[RewardFunction, float]:

@@ -7,6 +7,7 @@ rewards live in `posttrain.core.length`; here they only get their inputs.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -24,12 +25,23 @@ def verify(samples: Sequence[ScoredSample], source) -> torch.Tensor:
 
 class AccuracyReward:
     """Verifiable outcome reward (DeepSeek-R1 "accuracy reward"): 1 if the final answer
-    is right, else 0. The composite also reads correctness from this component."""
+    is right, else `wrong_score`. DAPO scores a wrong answer -1, so that a right answer
+    still beats it after the full overlong penalty (-1). The composite also reads
+    correctness from this component: a score of 1 is a right answer."""
 
     name = "accuracy"
 
+    def __init__(self, wrong_score: float = 0.0):
+        # below 1, or a wrong answer would score (and be counted) as a right one
+        if isinstance(wrong_score, bool) or not isinstance(wrong_score, (int, float)) \
+                or not math.isfinite(wrong_score) or wrong_score >= 1.0:
+            raise ValueError(f"wrong_score must be a finite number below 1 (a right answer's score), "
+                             f"got {wrong_score!r}")
+        self.wrong_score = float(wrong_score)
+
     def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
-        return verify(samples, source).to(torch.float32)
+        right = verify(samples, source)
+        return torch.where(right, torch.tensor(1.0), torch.tensor(self.wrong_score))
 
 
 class FormatReward:

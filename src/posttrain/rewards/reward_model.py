@@ -8,7 +8,7 @@ one label and a pad token (what `algorithm=reward_model` writes). It is loaded o
 in eval mode, on the policy's device, and scores `prompt + response (+ EOS)` laid out the way
 SFT and preference training saw them (data/datamodule.py): the prompt rendered with the chat
 template when the task is chat-form, the response's tokens, and EOS when the response ended
-(a truncated one never did, so it gets none). A row longer than the reward model's context
+(a truncated, looping or PRM-stopped one never did, so it gets none). A row longer than the reward model's context
 (max_position_embeddings) keeps its last tokens: the prompt's start is dropped, the response's
 end, where the score is read, is kept; the share of rows cut is `rewards/reward_model/truncated_frac`
 (logged at the steps where any was).
@@ -142,15 +142,16 @@ class RewardModelScorer:
         return torch.cat(scores) if scores else torch.zeros(0)
 
     def token_row(self, tokenizer, sample: ScoredSample) -> list[int]:
-        """prompt + response (+ EOS when the response ended), as SFT's collate_sft lays it out.
-        The policy's own prompt ids (truncated to fit, if they were) only with its tokenizer."""
+        """prompt + response (+ EOS when the response ended with one: not when it was cut by the
+        budget, stopped as looping or cut by the PRM early stop), as SFT's collate_sft lays it
+        out. The policy's own prompt ids (truncated to fit, if they were) only with its tokenizer."""
         example = sample.example
         if self.share_tokenizer:
             prompt = prompt_token_ids(example, tokenizer)
         else:
             prompt = tokenizer(prompt_text(example, tokenizer), add_special_tokens=False)["input_ids"]
         response = tokenizer(sample.response, add_special_tokens=False)["input_ids"]
-        return prompt + response + ([] if sample.truncated else [tokenizer.eos_token_id])
+        return prompt + response + ([tokenizer.eos_token_id] if sample.ended else [])
 
 
 # --- checks and loading of a reward model directory -------------------------------------------------

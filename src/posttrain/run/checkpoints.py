@@ -3,11 +3,13 @@ built when another algorithm wrote it or its weights have other shapes.
 
 `ckpt_path`: a file; `last`: the newest intact checkpoint of this run directory (an error
 if there is none); `auto`: the same, or a fresh start when there is none, so a requeued
-job, which runs the same command in the same directory, continues where it stopped."""
+job, which runs the same command in the same directory, continues where it stopped. The
+temporaries of saves that a kill cut short are removed when a run starts."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,6 +33,25 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
     if not path.is_file() and not is_distributed_checkpoint(path):  # a file, or a sharded checkpoint's directory
         raise CheckpointError(f"ckpt_path={ckpt_path!r}: no checkpoint file at {path}")
     return str(path)
+
+
+# What a checkpoint save writes before renaming it into place, by our writers' naming:
+# `.<name>.ckpt.<pid>.tmp` (run/preemption.py, AtomicCheckpointIO) and the staging directory
+# `.<name>.ckpt.partial` of a sharded checkpoint (distributed/sharding.py, trainer=fsdp).
+INTERRUPTED_SAVES = (".*.ckpt.*.tmp", ".*.ckpt.partial")
+
+
+def remove_interrupted_saves(directory: Path) -> None:
+    """Remove the temporaries that a save killed half-way (kill -9) left in `directory`; only
+    ours, by name. Called when a run starts, before any rank saves: none is being written."""
+    leftovers = [path for pattern in INTERRUPTED_SAVES for path in directory.glob(pattern)] if directory.is_dir() else []
+    for path in leftovers:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)  # another rank of the job may have removed it first
+    if leftovers:
+        log.info(f"posttrain: removed what interrupted checkpoint saves left: {', '.join(p.name for p in leftovers)}")
 
 
 def newest_intact_checkpoint(directory: Path) -> Path | None:

@@ -157,9 +157,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a process killed mid-save
-            stale.unlink(missing_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # not *.ckpt: never picked by resume
+        # not *.ckpt: never picked by resume; one a kill left is removed at the next start
+        # (checkpoints.INTERRUPTED_SAVES)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
