@@ -91,6 +91,10 @@ def with_budget(arguments: list[str], log_dir: Path, model_dir: Path) -> list[st
     elif not any(a.startswith(OFFLINE) for a in arguments) and any(
             a.startswith(("algorithm=", "experiment=")) for a in arguments):
         budget += ONLINE_BUDGET
+    if any(a.startswith("algorithm=") and "dapo" in a for a in arguments):
+        # DAPO keeps a group only when some, not all, of its answers are right: after a 20-step
+        # warm start only one-digit sums ever are
+        budget += ["data.min_digits=1", "data.max_digits=1"]
     if any(a.startswith("teacher=tiny_") for a in arguments):
         budget += ["teacher_recipe.steps=5", "teacher_recipe.until_accuracy=null"]  # an embedded teacher recipe
     if any(a.startswith("resume=") for a in arguments):

@@ -95,9 +95,13 @@ def test_progress_bar_none_prints_no_bar(tmp_path):
 def test_failed_run_reports_its_warm_start_warnings_and_error_in_train_log(tmp_path):
     """An RL run with a short SFT warm start, whose reward function warns, then returns NaN,
     stops at its first step: the warm-start lines, the warning and the error are printed once
-    and are in the run's train.log, which the run keeps (it had started)."""
-    (tmp_path / "nan_reward.py").write_text("import warnings\n\n"
+    and are in the run's train.log, which the run keeps (it had started). The function scores
+    the start-up check's stand-in samples (its first call) and fails from its second on."""
+    (tmp_path / "nan_reward.py").write_text("import warnings\n\ncalls = []\n\n"
                                             "def nan_scores(samples, source):\n"
+                                            "    calls.append(len(samples))\n"
+                                            "    if len(calls) == 1:\n"
+                                            "        return [0.0] * len(samples)\n"
                                             "    warnings.warn('nan_scores cannot score')\n"
                                             "    return [float('nan')] * len(samples)\n")
     result = posttrain("algorithm=grpo", "algorithm.warm_start.steps=2", "algorithm.warm_start.batch_size=8",
