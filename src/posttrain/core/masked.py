@@ -85,11 +85,19 @@ def masked_var(
     of tiny batches finite: the centred value is 0 there anyway. With ``batch_sum`` (dim
     None), mean, sums and n are the whole batch's.
     """
+    return _mean_and_var(x, mask, unbiased, dim, keepdim, batch_sum)[1]
+
+
+def _mean_and_var(x, mask, unbiased: bool, dim: int | None = None, keepdim: bool = False,
+                  batch_sum: BatchSum | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean kept over ``dim``, variance) as masked_mean and masked_var define them, with the
+    count, sum and squared sum each taken (and, with ``batch_sum``, summed over the batch) once."""
     summed = _summed_over_batch(batch_sum, dim)
-    mean = masked_mean(x, mask, dim=dim, keepdim=True, batch_sum=batch_sum)
+    count = summed(masked_count(mask, dim=dim, keepdim=True, dtype=x.dtype))
+    mean = _safe_div(summed(masked_sum(x, mask, dim=dim, keepdim=True)), count)
     sq = summed(masked_sum((x - mean) ** 2, mask, dim=dim, keepdim=keepdim))
-    n = summed(masked_count(mask, dim=dim, keepdim=keepdim, dtype=x.dtype))
-    return _safe_div(sq, n - 1 if unbiased else n)
+    n = count if keepdim or dim is None else count.squeeze(dim)
+    return mean, _safe_div(sq, n - 1 if unbiased else n)
 
 
 def masked_whiten(
@@ -103,8 +111,7 @@ def masked_whiten(
     ``batch_sum`` the statistics are the whole batch's, of which ``x`` is a part.
     """
     valid = valid_mask(mask)
-    mean = masked_mean(x, mask, batch_sum=batch_sum)
-    var = masked_var(x, mask, unbiased=True, batch_sum=batch_sum)
+    mean, var = _mean_and_var(x, mask, unbiased=True, batch_sum=batch_sum)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
