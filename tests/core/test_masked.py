@@ -1,4 +1,5 @@
 import math
+import threading
 
 import pytest
 import torch
@@ -61,6 +62,45 @@ def test_masked_whiten():
     const = masked_whiten(torch.full_like(X, 3.0), M)
     assert (const == 0).all()
     assert masked_whiten(X, torch.zeros_like(M)).abs().sum() == 0
+
+
+def two_parts_summed(parts, fn):
+    """fn(x, mask, batch_sum) on each part in a thread of its own, with a batch_sum that adds the
+    other part's statistic, as an all-reduce over two ranks would."""
+    barrier, shared, results = threading.Barrier(2), [None, None], [None, None]
+
+    def run(i):
+        def batch_sum(t):
+            shared[i] = t
+            barrier.wait()
+            total = shared[0] + shared[1]
+            barrier.wait()  # both have read before the next statistic is written
+            return total
+
+        results[i] = fn(*parts[i], batch_sum)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_batch_statistics_with_batch_sum_are_the_whole_batchs():
+    # parts [1, 2, (pad 9)] and [3, 4, 5]: the union 1..5 has mean 3, unbiased var 2.5
+    parts = [(torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[1, 1, 0]])),
+             (torch.tensor([[3.0, 4.0, 5.0]]), torch.tensor([[1, 1, 1]]))]
+    means = two_parts_summed(parts, lambda x, m, bs: masked_mean(x, m, batch_sum=bs))
+    variances = two_parts_summed(parts, lambda x, m, bs: masked_var(x, m, batch_sum=bs))
+    whitened = two_parts_summed(parts, lambda x, m, bs: masked_whiten(x, m, eps=0.0, batch_sum=bs))
+    assert [float(v) for v in means] == [3.0, 3.0]
+    assert [float(v) for v in variances] == pytest.approx([2.5, 2.5])
+    scale = 1 / math.sqrt(2.5)
+    assert whitened[0][0].tolist() == pytest.approx([-2 * scale, -scale, 0.0])  # padding: 0
+    assert whitened[1][0].tolist() == pytest.approx([0.0, scale, 2 * scale])
+    with pytest.raises(ValueError, match="dim=None"):
+        masked_mean(parts[0][0], parts[0][1], dim=1, batch_sum=lambda t: t)
 
 
 def test_group_statistics_non_contiguous_ids():
