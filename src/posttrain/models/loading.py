@@ -18,6 +18,7 @@ from posttrain.distributed.sharding import (
     policy_weights_from_distributed_checkpoint,
 )
 from posttrain.errors import CheckpointError, ConfigError
+from posttrain.models.gguf import hf_directory, names_gguf
 from posttrain.models.lora import ADAPTER_CONFIG, apply_lora, has_adapter, holds_adapter_weights
 from posttrain.models.tiny import build_char_tokenizer, build_tiny_model
 
@@ -40,7 +41,10 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _resolve_pretrained(name: str, key: str) -> str:
-    """A local directory as an absolute path, or a hub id left as is."""
+    """A local directory as an absolute path, a GGUF (`gguf:<package>` or a `.gguf` file) as
+    its cached Hugging Face directory (models/gguf.py), or a hub id left as is."""
+    if names_gguf(name):
+        return str(hf_directory(name, key))
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
