@@ -1,13 +1,15 @@
-"""Every command in the shell blocks of README.md and docs/*.md runs as written, with a tiny
-budget appended; and every link between those pages leads somewhere.
+"""Every command in the shell blocks of README.md runs as written, with a tiny budget appended
+(those of docs/*.md: tests/test_docs_commands.py, with these helpers); and every link between
+those pages leads somewhere.
 
 The commands are read from the pages themselves, so a command added there is tested here. The
 README's come first, then each page of docs/ in name order; a command shown on two pages runs
 once. Placeholders name the runs of earlier commands: `outputs/<task>/runs/<time>` is the newest
 run of that task, `outputs/multiruns/<time>` the newest sweep. Budget overrides are appended
 (later overrides win in Hydra), so each command keeps its own choices. A sweep keeps every value
-of its first swept key and the first value of the others (`algorithm=grpo,dapo seed=0,1,2` runs
-2 jobs, not 6): the launcher and every documented choice still run, without the repeats.
+of its first two values of its first swept key and the first value of the others
+(`algorithm=grpo,dr_grpo,dapo seed=0,1,2` runs 2 jobs, not 9): the launcher runs a multirun as
+written, and each choice a sweep lists is run by the tests of its own group.
 """
 
 from __future__ import annotations
@@ -59,13 +61,12 @@ def fill_placeholders(command: str, log_dir: Path) -> str:
 
 
 def one_value_past_the_first_sweep(arguments: list[str]) -> list[str]:
-    """A multirun's first comma-separated key as written; every later one at its first value."""
+    """A multirun's first comma-separated key at its first two values; every later one at its first."""
     swept, kept = False, []
     for argument in arguments:
         key, equals, values = argument.partition("=")
         if equals and "," in values and not values.startswith("["):
-            if swept:
-                argument = f"{key}={values.split(',')[0]}"
+            argument = f"{key}={values.split(',')[0]}" if swept else f"{key}={','.join(values.split(',')[:2])}"
             swept = True
         kept.append(argument)
     return kept
@@ -121,10 +122,10 @@ def as_process(arguments: list[str]) -> list[str]:
     raise AssertionError(f"documented command of an unknown program: {arguments}")
 
 
-def test_a_sweep_runs_every_value_of_its_first_key_and_one_of_the_others():
-    command = shlex.split("posttrain -m algorithm=grpo,dapo seed=0,1,2 kl_estimator=k1,k3 eval.pass_k=[1,2]")
+def test_a_sweep_runs_two_values_of_its_first_key_and_one_of_the_others():
+    command = shlex.split("posttrain -m algorithm=grpo,dr_grpo,dapo seed=0,1,2 kl_estimator=k1,k3 eval.pass_k=[1,2]")
     assert one_value_past_the_first_sweep(command) == [
-        "posttrain", "-m", "algorithm=grpo,dapo", "seed=0", "kl_estimator=k1", "eval.pass_k=[1,2]"]
+        "posttrain", "-m", "algorithm=grpo,dr_grpo", "seed=0", "kl_estimator=k1", "eval.pass_k=[1,2]"]
 
 
 def test_readme_has_the_commands_it_promises():
@@ -135,18 +136,26 @@ def test_readme_has_the_commands_it_promises():
     assert "posttrain --help" in commands
 
 
-def test_every_documented_command_runs(tmp_path, embedded_hf_model):
+def run_documented_commands(commands: list[str], tmp_path: Path, model_dir: Path) -> None:
+    """Run each command with its budget in one log directory, in order (later commands name the
+    runs of earlier ones), and fail on the first that exits non-zero or prints a traceback."""
     log_dir = tmp_path / "outputs"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    for command in readme_commands(DOCUMENTS):
+    for command in commands:
         if "vs_trl.py" in command and importlib.util.find_spec("trl") is None:
             continue  # the benchmark against TRL needs the `bench` extra
-        arguments = with_budget(shlex.split(fill_placeholders(command, log_dir)), log_dir, embedded_hf_model)
+        arguments = with_budget(shlex.split(fill_placeholders(command, log_dir)), log_dir, model_dir)
         result = subprocess.run(as_process(arguments), capture_output=True, text=True, timeout=600, cwd=tmp_path,
                                 env=env)
         output = result.stdout + result.stderr
         assert result.returncode == 0, f"documented command failed: {command}\n{output[-4000:]}"
         assert "Traceback" not in output, f"{command}\n{output[-4000:]}"
+
+
+def test_every_readme_command_runs(tmp_path, embedded_hf_model):
+    """The README's commands; those of docs/ run in tests/test_docs_commands.py, on the other
+    xdist worker."""
+    run_documented_commands(readme_commands(), tmp_path, embedded_hf_model)
 
 
 def anchor(heading: str) -> str:
