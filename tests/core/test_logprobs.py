@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from posttrain.core import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
+from posttrain.core.logprobs import token_logprobs_and_entropy_from_hidden
 
 
 def test_logprobs_match_log_softmax_gather():
@@ -239,3 +240,137 @@ def test_support_size_shape_mismatch_raises():
     with pytest.raises(ValueError, match="support_size"):
         token_logprobs_and_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), with_entropy=False,
                                    support_size=torch.zeros(2, 4, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- from hidden states and the LM head
+
+
+def test_from_hidden_hand_values():
+    """A 2-token vocabulary, hidden size 1: logits (h * w + b) = (0, log 3) give p = (1/4, 3/4)."""
+    hidden = torch.tensor([[[1.0], [2.0]]], dtype=torch.float64)
+    weight = torch.tensor([[0.0], [math.log(3.0)]], dtype=torch.float64)
+    bias = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    labels = torch.tensor([[1, -100]])
+    logp, entropy = token_logprobs_and_entropy_from_hidden(hidden, weight, labels, bias=bias, with_entropy=True)
+    assert logp[0, 0].item() == pytest.approx(math.log(0.75))
+    assert logp[0, 1].item() == 0.0  # ignore index
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert entropy[0, 0].item() == pytest.approx(expected)
+    # second position: logits (0, 2 log 3) -> p = (1/10, 9/10)
+    assert entropy[0, 1].item() == pytest.approx(-(0.1 * math.log(0.1) + 0.9 * math.log(0.9)))
+
+
+def _hidden_grads(fn, hidden, weight, bias, weights):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    logp, entropy = fn(*leaves)
+    ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+    return (logp.detach(), entropy.detach(), *(t.grad for t in leaves))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("chunk_tokens", [1, 5, None])
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.7}, {"support": True}])
+def test_from_hidden_equals_the_logits_path_with_grads(dtype, tol, chunk_tokens, options):
+    """The same numbers and the same gradients (into hidden, weight and bias) as
+    `token_logprobs_and_entropy` of the full logits F.linear(hidden, weight, bias)."""
+    torch.manual_seed(9)
+    vocab, width = 30, 8
+    hidden = torch.randn(3, 7, width, dtype=torch.float64).to(dtype)
+    weight = torch.randn(vocab, width, dtype=torch.float64).to(dtype)
+    bias = torch.randn(vocab, dtype=torch.float64).to(dtype)
+    labels = torch.randint(0, vocab, (3, 7))
+    labels[1, 5:] = -100
+    kwargs = {"temperature": options.get("temperature", 1.0)}
+    if options.get("support"):
+        kwargs["support_size"] = torch.randint(0, vocab + 1, (3, 7), dtype=torch.int32)
+    weights = torch.randn(2, 3, 7, dtype=torch.float64).to(torch.float32 if dtype != torch.float64 else dtype)
+
+    ours = _hidden_grads(lambda h, w, b: token_logprobs_and_entropy_from_hidden(
+        h, w, labels, bias=b, with_entropy=True, chunk_tokens=chunk_tokens, **kwargs), hidden, weight, bias, weights)
+    ref = _hidden_grads(lambda h, w, b: token_logprobs_and_entropy(
+        torch.nn.functional.linear(h, w, b), labels, with_entropy=True, chunk_tokens=4096, **kwargs),
+        hidden, weight, bias, weights)
+    assert ours[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    for a, b in zip(ours, ref):
+        rtol = 2e-2 if a.dtype == torch.bfloat16 else tol
+        torch.testing.assert_close(a, b, atol=tol if a.dtype != torch.bfloat16 else 2e-2, rtol=rtol)
+    assert (ours[0][1, 5:] == 0).all()
+
+
+def test_from_hidden_without_bias_and_with_detached_entropy():
+    torch.manual_seed(10)
+    hidden = torch.randn(2, 5, 6, requires_grad=True)
+    weight = torch.randn(11, 6, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5))
+    logp, entropy = token_logprobs_and_entropy_from_hidden(hidden, weight, labels, with_entropy=True,
+                                                           entropy_grad=False, chunk_tokens=3)
+    assert entropy.grad_fn is None and logp.grad_fn is not None
+    expected = token_logprobs_and_entropy(hidden.detach() @ weight.detach().T, labels, with_entropy=True)
+    torch.testing.assert_close(logp, expected[0])
+    torch.testing.assert_close(entropy, expected[1])
+    logp, none = token_logprobs_and_entropy_from_hidden(hidden, weight, labels, with_entropy=False)
+    assert none is None
+    logp.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None
+
+
+def test_from_hidden_keeps_no_logits_for_backward():
+    """The LM head is inside the recomputed chunk: what autograd stores is the hidden states
+    and the weight, never a tensor of one chunk's logits or more ([n, V], any dtype)."""
+    vocab, width, chunk = 512, 16, 8
+    hidden = torch.randn(4, 16, width, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, width, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (4, 16))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        logp, entropy = token_logprobs_and_entropy_from_hidden(hidden, weight, labels, with_entropy=True,
+                                                               chunk_tokens=chunk)
+    assert saved and all(shape[-1] != vocab for shape in saved)
+    assert max(math.prod(shape) for shape in saved) <= vocab * width  # the weight itself
+    (logp.sum() + entropy.sum()).backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.shape == weight.shape
+
+
+def test_from_hidden_default_chunk_follows_the_vocabulary(monkeypatch):
+    from posttrain.core import logprobs
+
+    monkeypatch.setattr(logprobs, "HIDDEN_CHUNK_ELEMENTS", 40)
+    seen = []
+    real = logprobs._score_hidden_chunk
+    monkeypatch.setattr(logprobs, "_score_hidden_chunk", lambda h, *a, **k: seen.append(len(h)) or real(h, *a, **k))
+    token_logprobs_and_entropy_from_hidden(torch.randn(2, 9, 4), torch.randn(10, 4),
+                                           torch.zeros(2, 9, dtype=torch.long), with_entropy=False)
+    assert seen == [4, 4, 4, 4, 2]  # 40 logits per chunk at V = 10
+
+
+def test_from_hidden_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="labels"):
+        token_logprobs_and_entropy_from_hidden(torch.zeros(2, 3, 4), torch.zeros(5, 4),
+                                               torch.zeros(2, 4, dtype=torch.long), with_entropy=False)
+    with pytest.raises(ValueError, match="weight"):
+        token_logprobs_and_entropy_from_hidden(torch.zeros(2, 3, 4), torch.zeros(5, 3),
+                                               torch.zeros(2, 3, dtype=torch.long), with_entropy=False)
+
+
+@pytest.mark.parametrize("from_hidden", [False, True])
+def test_a_detached_entropy_is_not_recomputed_in_the_backward(monkeypatch, from_hidden):
+    """The backward recomputes each chunk's log-probs; an entropy without gradient is part of
+    no graph, so its [n, V] passes run in the forward only (and a weighted one is recomputed)."""
+    from posttrain.core import logprobs
+
+    calls = []
+    real = logprobs._score_chunk
+    monkeypatch.setattr(logprobs, "_score_chunk", lambda *a, **k: calls.append(k["with_entropy"]) or real(*a, **k))
+    torch.manual_seed(11)
+    hidden, weight = torch.randn(2, 5, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    labels = torch.randint(0, 30, (2, 5))
+    for entropy_grad, expected in ((False, [True] * 3 + [False] * 3), (True, [True] * 6)):
+        calls.clear()
+        if from_hidden:
+            logp, entropy = token_logprobs_and_entropy_from_hidden(hidden, weight, labels, with_entropy=True,
+                                                                   entropy_grad=entropy_grad, chunk_tokens=4)
+        else:
+            logp, entropy = token_logprobs_and_entropy(hidden @ weight.T, labels, with_entropy=True,
+                                                       entropy_grad=entropy_grad, chunk_tokens=4)
+        (logp.sum() + (entropy.sum() if entropy_grad else 0)).backward()
+        assert calls == expected

@@ -8,6 +8,7 @@ prompt + response, with each prompt shared by its group and padding left out.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -222,3 +223,179 @@ def test_lora_dropout_keeps_the_hf_forward():
     model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1))
     assert "LoRA dropout" in grouped_forward_unsupported_reason(model.train())
     assert grouped_forward_unsupported_reason(model.eval()) is None
+
+
+# ------------------------------------------------- fused attention, memory linear in length
+
+
+def _qwen3():
+    """q/k norms: the grouped forward refuses it, the model's own forward (SDPA) scores it."""
+    config = transformers.Qwen3Config(vocab_size=48, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    return _init(transformers.Qwen3ForCausalLM, config, seed=2)
+
+
+def _reference_logprobs(model, batch, temperature):
+    """log-probs and entropy of the plain HF forward's full logits (the unchunked formula)."""
+    logits = _hf_logits(model, *batch).float() / temperature
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, batch[2].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _checkpointed(model):
+    model = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llama", "llama_yarn", "qwen3", "llama_checkpointed"])
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_sequence_logprobs_and_gradients_equal_the_hf_forward(arch, group_size):
+    """The training forward's log-probs and entropies (hidden states, LM head chunk by chunk)
+    and their gradients equal those of the HF forward's full logits, for uneven prompt and
+    response lengths; on the grouped forward (GQA in llama) and on the model's own forward
+    (qwen3's q/k norms, checkpointed llama: the LM head replaced by the scorer)."""
+    from posttrain.models.forward import sequence_logprobs
+
+    model = _qwen3() if arch == "qwen3" else MODELS[arch.removesuffix("_checkpointed")]()
+    scored = _checkpointed(model) if arch.endswith("_checkpointed") else model
+    grouped = grouped_forward_unsupported_reason(scored) is None
+    assert grouped == (arch in MODELS)
+    batch = _batch(model.config.vocab_size, group_size, pads=(0, 3, 1, 2), width=9, seed=group_size)
+    real = batch[3].bool()
+    weights = torch.randn(2, *real.shape, generator=torch.Generator().manual_seed(3)) * batch[3]
+
+    logp, entropy = _reference_logprobs(model, batch, 0.7)
+    expected = torch.autograd.grad((logp * weights[0]).sum() + (entropy * weights[1]).sum(), list(model.parameters()))
+    got_logp, got_entropy = sequence_logprobs(scored, *batch, with_entropy=True, temperature=0.7, chunk_tokens=5)
+    got = torch.autograd.grad((got_logp * weights[0]).sum() + (got_entropy * weights[1]).sum(),
+                              list(scored.parameters()))
+    torch.testing.assert_close(got_logp[real], logp[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_entropy[real], entropy[real], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_logp[~real], torch.zeros_like(got_logp[~real]))  # padding is not scored
+    for (name, _), a, b in zip(model.named_parameters(), got, expected):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_sequence_logprobs_of_a_lora_policy_equal_the_hf_forward():
+    peft = pytest.importorskip("peft")
+    from posttrain.models.forward import sequence_logprobs
+
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, lora_alpha=8,
+                                                          target_modules=["q_proj", "v_proj", "lm_head"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    batch = _batch(model.config.vocab_size, group_size=2, width=9)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for scored in (model, _checkpointed(model)):  # the grouped forward, then the model's own
+        params = [p for p in scored.parameters() if p.requires_grad]
+        logp, _ = _reference_logprobs(scored, batch, 1.0)
+        expected = torch.autograd.grad((logp * batch[3]).sum(), params)
+        got_logp, _ = sequence_logprobs(scored, *batch, chunk_tokens=4)
+        got = torch.autograd.grad((got_logp * batch[3]).sum(), params)
+        for a, b in zip(got, expected):
+            assert b.abs().sum() > 0
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert len(trainable) == len(params)
+
+
+def test_sequence_hidden_states_are_the_hf_decoders_on_both_paths():
+    from posttrain.models.forward import sequence_hidden_states
+
+    model = _llama()
+    batch = _batch(model.config.vocab_size, group_size=3)
+    real = batch[3].bool()
+    with torch.no_grad():
+        grouped = sequence_hidden_states(model, *batch)
+        hf = sequence_hidden_states(_checkpointed(model).eval(), *batch)
+        input_ids = torch.cat([batch[0], batch[2]], dim=1)
+        mask = torch.cat([batch[1], batch[3].long()], dim=1)
+        plain = model.model(input_ids=input_ids, attention_mask=mask,
+                            position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state[:, 5:-1]
+    torch.testing.assert_close(grouped[real], plain[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hf[real], plain[real], atol=1e-5, rtol=1e-5)
+
+
+def test_the_float_mask_is_used_only_where_it_is_exact():
+    from posttrain.models.forward import _float_mask_dtype
+
+    device = torch.device("cpu")
+    assert _float_mask_dtype(_llama(), device) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _float_mask_dtype(_llama(), device) == torch.bfloat16  # the queries' dtype under autocast
+    sliding = transformers.MistralConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, intermediate_size=64, sliding_window=4)
+    assert _float_mask_dtype(transformers.MistralForCausalLM(sliding), device) is None
+    eager = _llama(attn_implementation="eager")
+    assert _float_mask_dtype(eager, device) is None
+
+
+def _saved_during(fn):
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_no_square_scores_are_saved_for_the_backward(autocast):
+    """At T = 64 the grouped forward saves no [.., T, T] float tensor per layer: attention is
+    SDPA's fused kernel (it saves q, k, v, the output and the log-sum-exp), and the one
+    [B, 1, T - 1, P + T - 1] mask it reads is the same storage in every layer (also under
+    bf16 autocast, which would cast a mask of another dtype at every layer)."""
+    from posttrain.models.forward import sequence_logprobs
+
+    model = _llama(num_hidden_layers=3)
+    width = 64
+    batch = _batch(model.config.vocab_size, group_size=2, width=width)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _, saved = _saved_during(lambda: sequence_logprobs(model, *batch, with_entropy=True))
+    square = [t for t in saved if t.dim() >= 3 and t.is_floating_point() and t.shape[-2] == width - 1
+              and t.shape[-1] >= width - 1]
+    assert len(square) == 3, "the mask is saved by each layer's SDPA"
+    assert len({t.untyped_storage().data_ptr() for t in square}) == 1  # one mask, shared by the layers
+    assert all(t.shape == (len(batch[0]), 1, width - 1, batch[0].shape[1] + width - 1) for t in square)
+
+
+def test_the_training_forward_never_allocates_the_full_logits():
+    """Every tensor the forward and the backward of `sequence_logprobs` create (seen at the
+    dispatcher) is smaller than one chunk of logits: no [B, T, V] logits, in any dtype, on
+    the grouped forward or on the model's own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from posttrain.models.forward import sequence_logprobs
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.shapes.append(tuple(t.shape))
+            return out
+
+    vocab, chunk = 3000, 8
+    model = _llama(vocab_size=vocab, hidden_size=32, intermediate_size=48)
+    batch = _batch(vocab, group_size=3, width=12)
+    batch_tokens = batch[2].numel()
+    for scored in (model, _checkpointed(model)):
+        with Largest() as seen:
+            logp, entropy = sequence_logprobs(scored, *batch, with_entropy=True, chunk_tokens=chunk)
+            (logp.sum() + entropy.sum()).backward()
+        # [positions, V] tensors ([H, V]: the LM head's weight, transposed, and its gradient)
+        logits_sized = [s for s in seen.shapes if s and s[-1] == vocab and s != (32, vocab)]
+        assert logits_sized, "the chunks' logits are seen"
+        assert max(math.prod(s) for s in logits_sized) <= chunk * vocab < batch_tokens * vocab

@@ -62,7 +62,8 @@ from posttrain import core
 from posttrain.algorithms import rules
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.experience import Experience
-from posttrain.models.forward import sequence_hidden_states, sequence_logits
+from posttrain.models.forward import (lm_head_weights, logprobs_from_hidden, sequence_hidden_states, sequence_logits,
+                                      sequence_logprobs)
 from posttrain.algorithms.terms import DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
@@ -589,26 +590,39 @@ class OnlineRLModule(PosttrainModule):
         return sums
 
     def training_forward(self, exp: Experience, with_values: bool):
-        """log pi_theta (with gradient), entropy (with gradient only when weighted), for the
-        critic V(s_t) — one backbone pass when the critic shares the policy's — and the
-        logits they come from (full-vocabulary distillation reads them)."""
-        need_entropy_grad = bool(self.entropy_coef)
+        """(log pi_theta (with gradient), entropy (with gradient only when weighted), the critic's
+        V(s_t) or None — one backbone pass when the critic shares the policy's — and the logits
+        [b, T, V] or None). The log-probs come from hidden states with the LM head applied chunk
+        by chunk (models.forward.sequence_logprobs): no [b, T, V] logits exist, except under
+        distill.mode=full, whose full-vocabulary divergence reads them (the only case that
+        returns them)."""
+        options = dict(with_entropy=True, entropy_grad=bool(self.entropy_coef), **self.scoring_options(exp))
+        batch = (exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
+        logits = None
         if with_values and self.shared_critic:
-            hidden = sequence_hidden_states(self.policy, exp.prompt_ids, exp.prompt_mask, exp.response_ids,
-                                            exp.response_mask)
-            logits = self.policy.get_output_embeddings()(hidden)
+            hidden = sequence_hidden_states(self.policy, *batch)
             values = self.critic.values(hidden)
+            weight, bias = lm_head_weights(self.policy)
+            if self.distill_mode == "full":
+                logits = torch.nn.functional.linear(hidden, weight, bias)
+                logp, entropy = self.logprobs_from(logits, exp, with_entropy=True, entropy_grad=options["entropy_grad"])
+            else:
+                logp, entropy = logprobs_from_hidden(hidden, weight, bias, exp.response_ids, exp.response_mask,
+                                                     **options)
+            return logp, entropy, values, logits
+        if self.distill_mode == "full":
+            logits = sequence_logits(self.policy, *batch)
+            logp, entropy = self.logprobs_from(logits, exp, with_entropy=True, entropy_grad=options["entropy_grad"])
         else:
-            logits = sequence_logits(self.policy, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
-            values = self.critic(exp.prompt_ids, exp.prompt_mask, exp.response_ids,
-                                 exp.response_mask) if with_values else None
-        logp, entropy = self.logprobs_from(logits, exp, with_entropy=True, entropy_grad=need_entropy_grad)
+            logp, entropy = sequence_logprobs(self.policy, *batch, **options)
+        values = self.critic(*batch) if with_values else None
         return logp, entropy, values, logits
 
     def token_logprobs(self, model, exp: Experience):
-        """(log-probs, None) of the response tokens under ``model`` (a scorer's forward)."""
-        logits = sequence_logits(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
-        return self.logprobs_from(logits, exp, with_entropy=False)
+        """(log-probs, None) of the response tokens under ``model`` (a scorer's forward), from its
+        hidden states chunk by chunk (no [b, T, V] logits)."""
+        return sequence_logprobs(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask,
+                                 with_entropy=False, **self.scoring_options(exp))
 
     @torch.no_grad()
     def teacher_logits(self, exp: Experience) -> torch.Tensor:
@@ -629,12 +643,16 @@ class OnlineRLModule(PosttrainModule):
             return self.token_logprobs(model, exp)[0]
 
     def logprobs_from(self, logits, exp: Experience, with_entropy: bool, entropy_grad: bool = True):
-        """Per-token log-probs (and entropy) at the sampling temperature, computed in fp32 chunk
-        by chunk; over the sampler's kept top-k/top-p support when keep_sampling_mask (V3.2)."""
-        support = exp.support_size if self.keep_sampling_mask else None
+        """Per-token log-probs (and entropy) of full logits (distill.mode=full), with the options
+        of `scoring_options`, computed in fp32 chunk by chunk."""
         return core.token_logprobs_and_entropy(logits, exp.response_ids, with_entropy=with_entropy,
-                                               entropy_grad=entropy_grad, support_size=support,
-                                               temperature=self.sampling_params().logprob_temperature)
+                                               entropy_grad=entropy_grad, **self.scoring_options(exp))
+
+    def scoring_options(self, exp: Experience) -> dict:
+        """How every log-prob is taken: at the sampling temperature, over the sampler's kept
+        top-k/top-p support when keep_sampling_mask (V3.2)."""
+        return dict(support_size=exp.support_size if self.keep_sampling_mask else None,
+                    temperature=self.sampling_params().logprob_temperature)
 
     def policy_parameters(self):
         return [p for p in self.policy.parameters() if p.requires_grad]

@@ -1,4 +1,4 @@
-"""Per-token log-probabilities and entropy from logits.
+"""Per-token log-probabilities and entropy from logits, or from hidden states and the LM head.
 
 No shifting happens here: pass ``logits[:, t]`` aligned with the token it scores
 (``logits[:, :-1]`` with ``labels[:, 1:]`` for a causal LM).
@@ -8,6 +8,11 @@ logits (or of the softmax built from it) can outweigh the model.  Everything her
 chunks of ``chunk_tokens`` positions: only one chunk at a time is upcast to float32, and
 under autograd each chunk is recomputed in the backward (activation checkpointing) rather
 than having its float32 intermediates kept alive until then.
+
+`token_logprobs_and_entropy_from_hidden` goes one step further: it takes the LM head's input
+[B, T, H] and weight [V, H], and the head's matmul is part of the recomputed chunk, so no
+[B, T, V] logits tensor exists at all, in any dtype: only one [chunk, V] at a time.  Both
+functions run the same chunk loop and the same chunk body (`_score_chunk`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ from functools import partial
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .checks import check_shape
 
 _HALF = (torch.float16, torch.bfloat16)
+# The hidden-state path's default chunk: positions whose [chunk, V] float32 logits hold about
+# this many elements (2^24: 64 MB per buffer; 341 positions at V = 49k, 111 at V = 151k).
+HIDDEN_CHUNK_ELEMENTS = 1 << 24
 
 
 def token_logprobs_and_entropy(
@@ -53,7 +62,38 @@ def token_logprobs_and_entropy(
     check_shape("labels", labels, logits.shape[:-1], "logits[..., 0]")
     if support_size is not None:
         check_shape("support_size", support_size, logits.shape[:-1], "logits[..., 0]")
-    return _chunked(logits, labels, support_size, temperature, with_entropy, entropy_grad, chunk_tokens)
+    return _chunked(_score_chunk, logits, (), labels, support_size, temperature, with_entropy, entropy_grad,
+                    chunk_tokens)
+
+
+def token_logprobs_and_entropy_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+    support_size: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    chunk_tokens: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`token_logprobs_and_entropy` of the logits ``hidden @ weight.T + bias``, the LM head
+    applied chunk by chunk: hidden [.., H] (the LM head's input), weight [V, H], bias [V] or
+    None, labels [..]. Each chunk's logits are computed in the hidden states' dtype (as the
+    head itself would), upcast to float32 and scored inside one checkpoint, so the backward
+    recomputes them: no [.., V] tensor outlives its chunk, and the gradients reach hidden,
+    weight and bias. The options are those of `token_logprobs_and_entropy`;
+    ``chunk_tokens=None`` takes chunks of about `HIDDEN_CHUNK_ELEMENTS` logits."""
+    check_shape("labels", labels, hidden.shape[:-1], "hidden[..., 0]")
+    if support_size is not None:
+        check_shape("support_size", support_size, hidden.shape[:-1], "hidden[..., 0]")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (the LM head's), got {tuple(weight.shape)}")
+    if chunk_tokens is None:
+        chunk_tokens = max(1, HIDDEN_CHUNK_ELEMENTS // weight.shape[0])
+    return _chunked(_score_hidden_chunk, hidden, (weight, bias), labels, support_size, temperature, with_entropy,
+                    entropy_grad, chunk_tokens)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -63,31 +103,35 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = -sum_v p_v log p_v with p = softmax(z) -> [B, T]; -inf logits (banned tokens) add 0."""
-    return _chunked(logits, None, None, 1.0, True, True, 4096)[1]
+    return _chunked(_score_chunk, logits, (), None, None, 1.0, True, True, 4096)[1]
 
 
 # --------------------------------------------------------------------------- internals
 
 
-def _chunked(logits, labels, support_size, temperature, with_entropy, entropy_grad, chunk_tokens):
+def _chunked(body, x, params, labels, support_size, temperature, with_entropy, entropy_grad, chunk_tokens):
+    """``body(chunk, *params, labels, support_size, ...)`` over [n, last] chunks of x [.., last]
+    (logits, or hidden states with ``params`` the LM head's weight and bias), each one
+    checkpointed when a backward will run, the results joined back to x's leading shape."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    lead = logits.shape[:-1]
-    pieces = _position_chunks(logits, chunk_tokens)
+    lead = x.shape[:-1]
+    pieces = _position_chunks(x, chunk_tokens)
     sizes = [piece.shape[0] for piece in pieces]
 
-    def split(x):
-        return [None] * len(pieces) if x is None else x.reshape(-1).split(sizes)
+    def split(t):
+        return [None] * len(pieces) if t is None else t.reshape(-1).split(sizes)
 
-    fn = partial(_score_chunk, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    fn = partial(body, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
     # Recompute in the backward only when there is one: under no_grad the plain call is cheaper.
-    recompute = torch.is_grad_enabled() and logits.requires_grad
+    recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))
     logps, entropies = [], []
     for z, y, k in zip(pieces, split(labels), split(support_size)):
         if recompute:
-            logp, entropy = checkpoint(fn, z, y, k, use_reentrant=False, preserve_rng_state=False)
+            once = _first_call_only_entropy(fn, with_entropy and not entropy_grad)
+            logp, entropy = checkpoint(once, z, *params, y, k, use_reentrant=False, preserve_rng_state=False)
         else:
-            logp, entropy = fn(z, y, k)
+            logp, entropy = fn(z, *params, y, k)
         logps.append(logp)
         entropies.append(entropy)
 
@@ -97,6 +141,21 @@ def _chunked(logits, labels, support_size, temperature, with_entropy, entropy_gr
         return torch.cat(parts).view(lead)
 
     return join(logps), join(entropies)
+
+
+def _first_call_only_entropy(fn, detached_entropy: bool):
+    """``fn`` for one checkpointed chunk. An entropy without gradient is part of no backward
+    graph (it saves nothing), so the backward's recomputation of the chunk leaves it out: its
+    [n, V] passes run once, not twice."""
+    if not detached_entropy:
+        return fn
+    calls = []
+
+    def once(*args):
+        calls.append(None)
+        return fn(*args) if len(calls) == 1 else fn.func(*args, **{**fn.keywords, "with_entropy": False})
+
+    return once
 
 
 def _position_chunks(logits: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
@@ -116,6 +175,11 @@ def _position_chunks(logits: torch.Tensor, chunk_tokens: int) -> list[torch.Tens
         row_positions = logits[0].numel() // logits.shape[-1] if len(logits) else 1
         rows = max(1, chunk_tokens // max(row_positions, 1))
         return [piece for block in logits.split(rows) for piece in _position_chunks(block.reshape(-1, logits.shape[-1]), chunk_tokens)]
+
+
+def _score_hidden_chunk(h, weight, bias, labels, support_size, **options):
+    """`_score_chunk` of one [n, H] chunk of hidden states through the LM head: its logits [n, V]."""
+    return _score_chunk(F.linear(h, weight, bias), labels, support_size, **options)
 
 
 def _score_chunk(z, labels, support_size, *, temperature, with_entropy, entropy_grad):

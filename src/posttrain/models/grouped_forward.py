@@ -1,4 +1,5 @@
-"""The scoring forward of online RL: logits of sampled responses, each prompt computed once.
+"""The scoring forward of online RL: hidden states (and logits) of sampled responses, each
+prompt computed once, with fused attention.
 
 An online-RL batch holds every prompt `group_size` times (its group's samples). The
 training forward, the reference forward and the old/teacher log-probs all run the whole
@@ -9,18 +10,48 @@ prompt computation (autograd sums it, as it would over the copies). The log-prob
 gradients are those of the plain forward (tested to float32 rounding).
 
 It is the lean functional decoder of `models/functional.py` (fused q/k/v and gate/up
-matmuls, folded norm gains, RoPE as one complex multiply, explicit attention), written
-out of place so autograd can run through it. The fused weights are rebuilt from the
-parameters at each call (a differentiable `cat`): an extra copy of the projections for the
-forward's lifetime (kept for the backward when grad is on).
+matmuls, folded norm gains, RoPE as one complex multiply), written out of place so autograd
+can run through it. The fused weights are rebuilt from the parameters at each call (a
+differentiable `cat`): an extra copy of the projections for the forward's lifetime (kept for
+the backward when grad is on).
 
-Attention for a response query runs over its prompt's keys (shared by the group) and its
-own response's keys (causal); both score blocks are laid out so that one softmax covers
-them without copying a prompt's keys into each row:
+Memory is linear in the response length. Attention is
+`torch.nn.functional.scaled_dot_product_attention`, never explicit scores: on CPU its flash
+kernel (`_scaled_dot_product_flash_attention_for_cpu`, forward and backward; checked with the
+profiler), on CUDA the memory-efficient kernel is expected (a mask rules out flash there; not
+measured, no GPU was at hand for this change). Neither materialises the [T, T] scores, and the
+backward saves only q, k, v, the output, the log-sum-exp and a reference to the one shared mask
+per layer (tests/models/test_grouped_forward.py counts the saved tensors). Layout:
 
-    queries  [U, kv_heads, G, n_rep, T', D]     (U prompts, G responses each, T' = T - 1 positions)
-    vs prompt keys    [U, kv_heads, P, D]        -> scores [U*kv, G*n_rep*T', P]
-    vs response keys  [U, kv_heads, G, T', D]    -> scores [U*kv*G, n_rep*T', T']
+    prompt block    queries [U, heads, P, D] over the prompt's keys [U, kv_heads, P, D]
+    response block  queries [B, heads, T', D] over [the group's prompt keys ++ the row's own
+                    response keys] [B, kv_heads, P + T', D]        (T' = T - 1 positions)
+
+The response block copies each prompt's keys and values into its group's rows (k/v only:
+linear in T, as every row's own keys are). Each block reads ONE additive float mask built
+once per forward and shared by all layers, [U, 1, P, P] (causal, left padding) and
+[B, 1, T', P + T'] (the prompt's real keys ++ causal over the response). It is a float mask,
+not a boolean one, on purpose: SDPA converts a boolean mask into a float copy at every call,
+and the backward keeps that copy, so a boolean mask would cost [B, T', P + T'] floats per
+layer; a float mask is read in place (the same storage for every layer). Its rows are 16-aligned
+in memory, so that the CUDA memory-efficient kernel reads it without padding a copy either.
+A mask, not `is_causal`: SDPA's `is_causal` is top-left aligned, while response queries
+need the bottom-right alignment (query t sees the P prompt keys and responses 0..t). The
+layout that reaches `is_causal` (each row as [prompt ++ response] with dummy queries at the
+prompt positions) measured slower on CPU than the masked flash kernel: one layer's attention,
+forward + backward, 16 rows, 9 heads (3 kv), P = 64, T' = 1024, one thread: masked 2.8 s,
+`is_causal` with dummy queries 3.3 s, the old explicit attention 15.7 s.
+
+GQA: on CPU `enable_gqa=True` (the CPU flash kernel takes it with a mask and with grad, and
+it is ~8% faster than repeating the kv heads); on CUDA the kv heads are repeated, since
+masked GQA makes CUDA's SDPA fall back to its math kernel, which materialises the scores.
+
+The response stream stays packed: the matmuls run only on the tokens whose output predicts a
+real token (a response's last token and its padding predict nothing), [N, H] rows;
+attention runs on the padded [B, T'] layout. With every response full (nothing to skip) the
+packing costs 0.3% of the step's CPU time (its index_copy / index_select and their backward,
+profiled at T = 256, benchmarks/memory_vs_length.py's setup); with uneven lengths it skips the
+padding's matmuls, so it stays.
 
 `group_size=1` is the plain forward of every row (nothing is shared).
 """
@@ -36,15 +67,14 @@ from torch import nn
 from posttrain.models.functional import (
     FusedWeights,
     _unit_rms,
-    additive_mask,
-    final_logits,
-    prompt_attention_bias,
     real_token_positions,
     rotation,
-    softmax_last,
     unsupported_reason,
     without_adapter_wrapper,
 )
+
+# The CUDA memory-efficient kernel wants a mask whose rows start 16-aligned (else it pads a copy).
+MASK_ALIGNMENT = 16
 
 
 def grouped_forward_unsupported_reason(model: nn.Module) -> Optional[str]:
@@ -71,24 +101,60 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
 
 
+def grouped_weights(model: nn.Module) -> FusedWeights:
+    """The fused weights `grouped_hidden_states` reads (its LM head: ``.lm_head``, ``.lm_head_bias``)."""
+    return FusedWeights(without_adapter_wrapper(model))
+
+
 def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                    response_ids: torch.Tensor, response_mask: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Logits predicting each response token, [B, T, V], as `experience.sequence_logits`.
+    """Logits predicting each response token, [B, T, V], as `forward.sequence_logits`.
 
     prompt_ids / prompt_mask [B, P] left-padded; response_ids / response_mask [B, T], each
     mask a prefix of ones; rows come in groups of `group_size` consecutive rows with identical
-    prompts (`rollout.functional.prompt_group_size`). Each group's prompt runs once, and the response
-    stream holds only the tokens whose output predicts a real token (a response's last token
-    and its padding predict nothing): the matmuls run on those tokens alone, packed, and
-    attention on a padded [B, T - 1] layout. Logits of positions that predict padding are 0.
-    Differentiable when grad is enabled."""
-    hf_model = without_adapter_wrapper(model)
-    w = FusedWeights(hf_model)
+    prompts (`functional.prompt_group_size`). Logits of positions that predict padding are 0.
+    Differentiable when grad is enabled. The whole [B, T, V] exists: the training forward
+    reads `grouped_hidden_states` instead and applies the LM head chunk by chunk."""
+    w = grouped_weights(model)
+    first, rest, rows = _trunk(w, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+    batch, width = response_ids.shape
+    first = _head(w, first).repeat_interleave(group_size, dim=0)[:, None]  # [B, 1, V]
+    rest = _head(w, rest)                                                   # [N, V]
+    rest = rest.new_zeros(batch * (width - 1), rest.shape[-1]).index_copy(0, rows, rest).view(batch, width - 1, -1)
+    return torch.cat([first, rest], dim=1)
+
+
+def grouped_hidden_states(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                          response_ids: torch.Tensor, response_mask: torch.Tensor, group_size: int,
+                          weights: FusedWeights | None = None) -> torch.Tensor:
+    """The final-normed hidden states (the LM head's input) at the positions predicting each
+    response token, [B, T, H]: `grouped_logits` without the LM head. Positions that predict
+    padding are 0. ``weights``: `grouped_weights(model)`, if the caller also needs its LM head."""
+    w = weights if weights is not None else grouped_weights(model)
+    first, rest, rows = _trunk(w, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+    batch, width = response_ids.shape
+    first = first.repeat_interleave(group_size, dim=0)[:, None]  # [B, 1, H]
+    rest = rest.new_zeros(batch * (width - 1), rest.shape[-1]).index_copy(0, rows, rest).view(batch, width - 1, -1)
+    return torch.cat([first, rest], dim=1)
+
+
+def _final_norm(w: FusedWeights, h: torch.Tensor) -> torch.Tensor:
+    return _unit_rms(h, w.final_floor) * w.final_gain
+
+
+def _head(w: FusedWeights, normed: torch.Tensor) -> torch.Tensor:
+    return F.linear(normed, w.lm_head, w.lm_head_bias)
+
+
+def _trunk(w: FusedWeights, prompt_ids, prompt_mask, response_ids, response_mask, group_size):
+    """The decoder over each group's prompt once and over the packed response tokens.
+    Returns (final-normed hidden state of each prompt's last position [U, H] (it predicts its
+    responses' first tokens), final-normed hidden states of the packed response tokens [N, H],
+    their `rows` in the [B * (T - 1)] layout)."""
     pad = w.embed_padding_idx  # its row gets no gradient, as in nn.Embedding
     batch, width = response_ids.shape
     g, u = group_size, batch // group_size
     prompt_ids, prompt_mask = prompt_ids[::g], prompt_mask[::g].bool()  # [U, P]
-    hq, hkv = w.num_heads, w.num_kv_heads
     dtype, device = w.embed.dtype, w.embed.device
 
     # positions count real tokens only (left padding shifts nothing), as the samplers do
@@ -105,28 +171,50 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     response_pos = response_pos.repeat_interleave(g, dim=0).reshape(-1)[rows]
     response_rot = rotation(w, response_pos, dtype)[:, None, :]  # [N, 1 (heads), D/2]
 
-    prompt_bias, response_bias = _attention_biases(prompt_mask, span, hkv, hq // hkv, dtype)
+    prompt_bias, response_bias = _attention_masks(prompt_mask, g, span, _query_dtype(dtype, device))
     for layer in w.layers:
         hp, kp, vp = _prompt_block(w, layer, hp, prompt_rot, prompt_bias)
         if len(rows):
             hr = _response_block(w, layer, hr, rows, (u, g, span), kp, vp, response_rot, response_bias)
-
-    # the last prompt position predicts each response's first token
-    first = final_logits(w, hp[:, -1]).repeat_interleave(g, dim=0)[:, None]  # [B, 1, V]
-    rest = final_logits(w, hr)                                              # [N, V]
-    rest = rest.new_zeros(batch * span, rest.shape[-1]).index_copy(0, rows, rest).view(batch, span, -1)
-    return torch.cat([first, rest], dim=1)
+    return _final_norm(w, hp[:, -1]), _final_norm(w, hr), rows
 
 
-def _attention_biases(prompt_mask: torch.Tensor, span: int, hkv: int, n_rep: int, dtype):
-    """Additive masks. A prompt query sees the earlier real keys of its prompt
-    (`rollout.functional.prompt_attention_bias`, [U * kv_heads, n_rep * P, P]). A response
-    query sees its prompt's real keys and its response up to itself: [U, 1, T-1, P + T-1]."""
+def _query_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the attention's queries will have: autocast's, where it is on (a mask of
+    another dtype would be cast, a copy per layer), else the weights'."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere, in rows whose storage is `MASK_ALIGNMENT`-aligned
+    (a view of a wider tensor: SDPA reads it in place)."""
+    width = allowed.shape[-1]
+    stored = -(-width // MASK_ALIGNMENT) * MASK_ALIGNMENT
+    bias = torch.zeros(*allowed.shape[:-1], stored, dtype=dtype, device=allowed.device)[..., :width]
+    return bias.masked_fill_(~allowed, float("-inf"))
+
+
+def _attention_masks(prompt_mask: torch.Tensor, group_size: int, span: int, dtype):
+    """The additive masks of the two blocks, built once per forward and read by every layer.
+    A prompt query sees the earlier real keys of its prompt, [U, 1, P, P] (a pad query, which
+    would see no key at all, sees itself). A response query sees its prompt's real keys and
+    its response up to itself: [B, 1, T-1, P + T-1]."""
     u, plen = prompt_mask.shape
-    causal_r = torch.ones(span, span, dtype=torch.bool, device=prompt_mask.device).tril()
-    allowed_r = torch.cat([prompt_mask[:, None, None, :].expand(u, 1, span, plen),
-                           causal_r.expand(u, 1, span, span)], dim=-1)
-    return prompt_attention_bias(prompt_mask, hkv, n_rep, dtype), additive_mask(allowed_r, dtype)
+    device = prompt_mask.device
+    allowed_p = torch.ones(plen, plen, dtype=torch.bool, device=device).tril() & prompt_mask[:, None, :]
+    allowed_p |= torch.eye(plen, dtype=torch.bool, device=device)
+    causal_r = torch.ones(span, span, dtype=torch.bool, device=device).tril()
+    allowed_r = torch.cat([prompt_mask[:, None, None, :].expand(u, group_size, span, plen),
+                           causal_r.expand(u, group_size, span, span)], dim=-1)
+    return _additive(allowed_p[:, None], dtype), _additive(allowed_r.view(u * group_size, 1, span, -1), dtype)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA of q [N, heads, L, D] over k, v [N, kv_heads, S, D] (see the module docstring on GQA)."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1 and q.device.type != "cpu":  # masked GQA would run CUDA's math kernel
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1 and q.device.type == "cpu")
 
 
 def _split_qkv(w: FusedWeights, out: torch.Tensor):
@@ -140,42 +228,40 @@ def _mlp(layer, h: torch.Tensor) -> torch.Tensor:
     return h + F.linear(F.silu(gate) * up, layer.w_down_t.t(), layer.b_down)
 
 
-def _prompt_block(w: FusedWeights, layer, hp, rotation, bias):
+def _prompt_block(w: FusedWeights, layer, hp, rotation, mask):
     """One decoder layer over the unique prompts [U, P, H]; also returns their keys and values
-    [U * kv_heads, P, D] for the responses to attend to."""
+    [U, kv_heads, P, D] for the responses to attend to."""
     u, plen, _ = hp.shape
     hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     q, k, v = _split_qkv(w, F.linear(_unit_rms(hp, layer.floor1), layer.w_qkv, layer.b_qkv))
-    q = _rotate(q.unflatten(-1, (hq, d)), rotation).transpose(1, 2).reshape(u * hkv, -1, d)  # query heads of a kv head stacked
-    k = _rotate(k.unflatten(-1, (hkv, d)), rotation).transpose(1, 2).reshape(u * hkv, plen, d)
-    v = v.unflatten(-1, (hkv, d)).transpose(1, 2).reshape(u * hkv, plen, d)
-    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=d**-0.5)
-    a = torch.bmm(softmax_last(scores), v).view(u, hq, plen, d).transpose(1, 2).reshape(u, plen, hq * d)
+    q = _rotate(q.unflatten(-1, (hq, d)), rotation).transpose(1, 2)  # [U, heads, P, D]
+    k = _rotate(k.unflatten(-1, (hkv, d)), rotation).transpose(1, 2)
+    v = v.unflatten(-1, (hkv, d)).transpose(1, 2)
+    a = _attention(q, k, v, mask).transpose(1, 2).reshape(u, plen, hq * d)
     return _mlp(layer, hp + F.linear(a, layer.w_o_t.t(), layer.b_o)), k, v
 
 
-def _response_block(w: FusedWeights, layer, hr, rows, shape, kp, vp, rotation, bias):
+def _response_block(w: FusedWeights, layer, hr, rows, shape, kp, vp, rotation, mask):
     """One decoder layer over the packed response tokens hr [N, H] (`rows` of the [B * (T-1)]
-    layout, `rotation` [N, 1, D/2] their RoPE). Attention runs on that padded layout, queries
-    as [U, kv_heads, G, n_rep, T-1]: against the group's prompt keys in one batch per (prompt,
-    kv head), against each response's own keys in one batch per (prompt, kv head, response),
-    one softmax over both."""
+    layout, `rotation` [N, 1, D/2] their RoPE). Attention runs on that padded layout: each
+    row's queries over its group's prompt keys followed by its own response's keys, with the
+    shared mask."""
     u, g, span = shape
     hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
-    n_rep, plen = hq // hkv, kp.shape[1]
+    plen = kp.shape[2]
     q, k, v = _split_qkv(w, F.linear(_unit_rms(hr, layer.floor1), layer.w_qkv, layer.b_qkv))
     q = _padded(_rotate(q.unflatten(-1, (hq, d)), rotation), rows, u * g * span)
     k = _padded(_rotate(k.unflatten(-1, (hkv, d)), rotation), rows, u * g * span)
     v = _padded(v, rows, u * g * span)
-    q = q.view(u, g, span, hkv, n_rep, d).permute(0, 3, 1, 4, 2, 5).reshape(u * hkv, g * n_rep * span, d)
-    k = k.view(u, g, span, hkv, d).permute(0, 3, 1, 2, 4).reshape(u * hkv * g, span, d)
-    v = v.view(u, g, span, hkv, d).permute(0, 3, 1, 2, 4).reshape(u * hkv * g, span, d)
-    to_prompt = torch.bmm(q, kp.transpose(1, 2)).view(u, hkv * g * n_rep, span, plen)
-    to_response = torch.bmm(q.reshape(u * hkv * g, n_rep * span, d), k.transpose(1, 2)).view(u, hkv * g * n_rep, span, span)
-    probs = softmax_last(torch.cat([to_prompt, to_response], dim=-1) * d**-0.5 + bias)
-    a = (torch.bmm(probs[..., :plen].reshape(u * hkv, g * n_rep * span, plen), vp).view(u * hkv * g, n_rep * span, d)
-         + torch.bmm(probs[..., plen:].reshape(u * hkv * g, n_rep * span, span), v))
-    a = a.view(u, hkv, g, n_rep, span, d).permute(0, 2, 4, 1, 3, 5).reshape(u * g * span, hq * d).index_select(0, rows)
+    q = q.view(u * g, span, hq, d).transpose(1, 2)  # [B, heads, T-1, D]
+
+    def with_prompt(prompt, own):
+        # [U, kv, P, D] ++ [B, kv, T-1, D] -> [B, kv, P + T-1, D], the prompt's copied into its group's rows
+        own = own.view(u, g, span, hkv, d).permute(0, 1, 3, 2, 4)
+        return torch.cat([prompt[:, None].expand(u, g, hkv, plen, d), own], dim=3).view(u * g, hkv, plen + span, d)
+
+    a = _attention(q, with_prompt(kp, k), with_prompt(vp, v), mask)
+    a = a.transpose(1, 2).reshape(u * g * span, hq * d).index_select(0, rows)
     return _mlp(layer, hr + F.linear(a, layer.w_o_t.t(), layer.b_o))
 
 
