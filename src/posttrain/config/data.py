@@ -9,6 +9,7 @@ from posttrain.data.arithmetic import STYLES
 from posttrain.data.hub import REQUIRED_COLUMNS
 from posttrain.data.sources import SOURCES, TRUNCATE_OPTIONS
 from posttrain.data.templates import TEMPLATES
+from posttrain.data.word_problems import OPERATIONS
 
 SPECS: dict[str, Spec] = {
     "data.source": choice(*SOURCES),
@@ -18,6 +19,12 @@ SPECS: dict[str, Spec] = {
     "data.style": choice(*STYLES),
     "data.verbose_share": number(0, 1).about("style=mixed: share of problems with a verbose reference solution"),
     "data.seed": SEED,
+    "data.min_steps": integer(1).about("word problems: fewest steps per story"),
+    "data.max_steps": integer(1).about("word problems: most steps per story"),
+    "data.max_number": integer(2).about("word problems: the largest number written in a story"),
+    "data.operations": list_of(choice(*OPERATIONS)).about("word problems: the operations a step may use"),
+    "data.distractors": number(0, 1).about("word problems: share of stories with an irrelevant sentence"),
+    "data.shots": integer(0).about("word problems: worked examples before the question"),
     "data.step_separators": optional(list_of(pattern(r"(?s).+", "a non-empty string"))).about("process rewards: a step ends at each token holding one"),
     "data.max_response_tokens": integer(1).about("generation budget in tokens"),
     "data.max_prompt_tokens": optional(integer(1)).about("null: the model's context decides"),
@@ -43,9 +50,16 @@ SPECS: dict[str, Spec] = {
 
 @rule
 def digit_range_is_ordered(v: Values):
+    """The difficulty ranges of the generated tasks: arithmetic's digits, word problems' steps."""
     if v.get("data.source") == "arithmetic" and v["data.min_digits"] > v["data.max_digits"]:
         yield (f"data.min_digits={v['data.min_digits']} is larger than data.max_digits={v['data.max_digits']}; "
                f"expected min_digits <= max_digits (the operands' digit range)")
+    if v.get("data.source") == "word_problems":
+        if v["data.min_steps"] > v["data.max_steps"]:
+            yield (f"data.min_steps={v['data.min_steps']} is larger than data.max_steps={v['data.max_steps']}; "
+                   f"expected min_steps <= max_steps (the steps per story)")
+        if not v["data.operations"]:
+            yield f"data.operations is empty; name at least one of {list(OPERATIONS)}"
 
 
 @rule

@@ -28,9 +28,9 @@ def curriculum_has_what_it_reads(v: Values):
         yield (f"data_curriculum.low={v['data_curriculum.low']} is larger than "
                f"data_curriculum.high={v['data_curriculum.high']}; expected low <= high (the band of pass rates kept)")
     if name == "difficulty_schedule":
-        if v.get("data.source") != "arithmetic":
+        if v.get("data.source") not in ("arithmetic", "word_problems"):
             yield ("data_curriculum=difficulty_schedule raises the task's difficulty, which only data=arithmetic "
-                   f"has (data.source={v.get('data.source')!r})")
+                   f"and data=word_problems have (data.source={v.get('data.source')!r})")
         if not v.get("data_curriculum.milestones") and v.get("data_curriculum.accuracy_threshold") is None:
             yield ("data_curriculum=difficulty_schedule needs data_curriculum.milestones or "
                    "data_curriculum.accuracy_threshold, or it never changes anything")

@@ -15,7 +15,10 @@ the weights: these depend on batch and sequence sizes and can be cut (gradient
 checkpointing, micro-batches). So the estimate is a floor, and only an estimate above the
 device's free memory is refused (the run cannot fit); above WARN_FRACTION of it is a
 warning (the rest likely will not fit). Parameters are counted by building the model from
-its config.json on the meta device (no weights are read or allocated).
+its config.json on the meta device (no weights are read or allocated). A GGUF model
+(`gguf:<package>` or a `.gguf` file, models/gguf.py) is counted from its converted directory
+when the cache holds one, else from the tensor shapes in the file's header (memory-mapped,
+nothing dequantised), so the check runs before the first conversion too.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.distributed.collectives import device_count
-from posttrain.errors import ConfigError
+from posttrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +60,22 @@ class RoleMemory:
 def parameter_count(name_or_path: str) -> int | None:
     """Parameters of the causal LM at `name_or_path` (tied weights once), from its config
     alone on the meta device; None when the config cannot be read (the loader, which runs
-    next, then reports why with the key that named it)."""
-    # start-up: transformers loads only when a pretrained model's size is asked for
-    from transformers import AutoConfig, AutoModelForCausalLM
+    next, then reports why with the key that named it). A GGUF is counted from its cached
+    Hugging Face directory, else from the file itself (`gguf_parameter_count`)."""
+    # start-up: models/ (and transformers with it) loads only when a pretrained model's size is asked for
+    from posttrain.models.gguf import cache_entry, cache_root, gguf_file, names_gguf
+
+    if names_gguf(name_or_path):
+        try:
+            file = gguf_file(name_or_path)
+        except CheckpointError as err:  # not installed, no such file: the loader says so with its key
+            log.debug(f"memory check skipped for {name_or_path!r}: {err}")
+            return None
+        converted = cache_root() / cache_entry(file)  # where models/gguf.py's hf_directory keeps it
+        if not converted.is_dir():
+            return gguf_parameter_count(file)
+        name_or_path = str(converted)
+    from transformers import AutoConfig, AutoModelForCausalLM  # start-up: as models/ above
 
     try:
         config = AutoConfig.from_pretrained(os.path.expanduser(name_or_path))
@@ -69,6 +85,25 @@ def parameter_count(name_or_path: str) -> int | None:
         log.debug(f"memory check skipped for {name_or_path!r}: {err}")
         return None
     return sum(p.numel() for p in model.parameters())
+
+
+# llama.cpp tensors that are not weights: the HF model computes them (RoPE scaling factors)
+GGUF_NON_PARAMETERS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+
+
+def gguf_parameter_count(file) -> int | None:
+    """Parameters of the model in a .gguf file: the element counts of its tensors, read from
+    the header (the reader memory-maps the file and dequantises nothing). A tied output
+    layer is one tensor in the file, as it is one parameter in the model; None when the
+    file cannot be read (no `gguf` package, not a GGUF file)."""
+    try:
+        import gguf  # optional: only a GGUF model needs it (the `real` extra)
+
+        tensors = gguf.GGUFReader(file).tensors
+    except Exception as err:  # noqa: BLE001 - unreadable: the conversion, which runs next, says why
+        log.debug(f"memory check skipped for {str(file)!r}: {err}")
+        return None
+    return sum(int(t.n_elements) for t in tensors if t.name.rpartition(".")[0] not in GGUF_NON_PARAMETERS)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@
   starting policy once (cached on disk, keyed by the prompt pool, the starting weights and
   the estimation settings; see `pass_rate_cache_key`), then train only on prompts whose
   rate lies in [low, high].
-* ``difficulty_schedule``: raise the task's difficulty knob at given steps, or when the
-  training accuracy passes a threshold.
+* ``difficulty_schedule``: raise the task's difficulty knob (arithmetic's ``max_digits``,
+  word problems' ``max_steps``) at given steps, or when the training accuracy passes a
+  threshold.
 
 The prompt stream is resumable: its cursor and the curriculum's state go into the
 Lightning checkpoint. Under data parallelism each rank holds a cursor with its own
@@ -249,22 +250,25 @@ class PassRateFilter(Curriculum):
 
 
 class DifficultySchedule(Curriculum):
-    """Raise ``max_digits`` (the task's difficulty knob) by one at each milestone step, or
-    whenever the mean training accuracy of the last step (pre-filter, see `on_step_end`)
-    passes ``accuracy_threshold``, up to ``max_level`` extra digits."""
+    """Raise the task's difficulty knob by one at each milestone step, or whenever the mean
+    training accuracy of the last step (pre-filter, see `on_step_end`) passes
+    ``accuracy_threshold``, up to ``max_level`` times. The knob is the source's
+    ``difficulty_knob``: ``max_digits`` (data=arithmetic, the default), ``max_steps``
+    (data=word_problems)."""
 
     def __init__(self, cursor: ExampleCursor, milestones: list[int] | None = None,
                  accuracy_threshold: float | None = None, max_level: int = 2):
         super().__init__(cursor)
         if not hasattr(cursor.source, "set_difficulty"):
             raise ConfigError("data_curriculum=difficulty_schedule needs a source with a difficulty knob "
-                              "(data=arithmetic)")
+                              "(data=arithmetic or data=word_problems)")
         if not milestones and accuracy_threshold is None:
             raise ConfigError("data_curriculum=difficulty_schedule needs milestones or accuracy_threshold")
         self.milestones = sorted(milestones or [])
         self.accuracy_threshold = accuracy_threshold
         self.max_level = max_level
-        self.base_digits = cursor.source.task.max_digits
+        self.knob = getattr(cursor.source, "difficulty_knob", "max_digits")
+        self.base = getattr(cursor.source.task, self.knob)
         self.level = 0
 
     def on_step_end(self, step: int, train_accuracy: float | None) -> dict[str, float]:
@@ -273,7 +277,7 @@ class DifficultySchedule(Curriculum):
             and train_accuracy >= self.accuracy_threshold)
         if raise_now and self.level < self.max_level:
             self.level += 1
-            self.cursor.source.set_difficulty(max_digits=self.base_digits + self.level)
+            self.cursor.source.set_difficulty(**{self.knob: self.base + self.level})
         return {"curriculum/difficulty_level": float(self.level)}
 
     def state_dict(self) -> dict:
@@ -282,7 +286,7 @@ class DifficultySchedule(Curriculum):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.level = state["level"]
-        self.cursor.source.set_difficulty(max_digits=self.base_digits + self.level)
+        self.cursor.source.set_difficulty(**{self.knob: self.base + self.level})
 
 
 CURRICULA = {

@@ -1,8 +1,9 @@
 """Task sources: where prompts, reference responses and answer checks come from.
 
 A source hands out `Example`s by (split, index) and judges generated responses. Kinds:
-`arithmetic` (generated, endless, verifiable), `jsonl` (your files), and the datasets-backed
-`gsm8k`, `math` and `prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet).
+`arithmetic` (generated, endless, verifiable), `word_problems` (generated GSM8K-shaped stories,
+data/word_problems.py), `jsonl` (your files), and the datasets-backed `gsm8k`, `math` and
+`prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from posttrain.data.examples import Example, ListSource, PromptLimits
 from posttrain.data.hub import build_hub_source
 from posttrain.data.steps import StepRule
 from posttrain.data.templates import check_messages, last_user_content
+from posttrain.data.word_problems import WordProblemSource, build_word_problem_source
 from posttrain.errors import ConfigError, DataError
 
 TRUNCATE_OPTIONS = ("left",)  # left: keep a prompt's last tokens (the question usually ends it)
@@ -170,10 +172,10 @@ def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = N
     return examples
 
 
-SOURCES = ("arithmetic", "jsonl", "gsm8k", "math", "prompt_answer")
+SOURCES = ("arithmetic", "word_problems", "jsonl", "gsm8k", "math", "prompt_answer")
 
 
-def build_source(data_cfg) -> ArithmeticSource | ListSource:
+def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
     """The task source named by ``data.source``, with its prompt-length limits (checked
     against the tokenizer and the model's context by the datamodule)."""
     limits = prompt_limits(data_cfg)
@@ -182,6 +184,8 @@ def build_source(data_cfg) -> ArithmeticSource | ListSource:
             data_cfg.min_digits, data_cfg.max_digits, data_cfg.num_operands, data_cfg.style, data_cfg.seed,
             data_cfg.get("verbose_share", 0.5),  # read only by style=mixed (older configs lack the key)
         )
+    elif data_cfg.source == "word_problems":
+        source = build_word_problem_source(data_cfg)
     elif data_cfg.source == "jsonl":
         source = JsonlSource(dict(data_cfg.files))
     elif data_cfg.source in SOURCES:
