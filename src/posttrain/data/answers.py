@@ -230,3 +230,23 @@ class AnswerChecker:
 
     def __getstate__(self):  # a copy (e.g. a deep-copied source) starts its own worker
         return {**self.__dict__, "_process": None}
+
+
+class CheckedAnswers:
+    """The answer side of a task source whose responses end in a final answer checked by an
+    `AnswerChecker` (`self.checker`) in the shape of a prompt template (`self.template`):
+    the hub datasets (data/hub.py) and the generated word problems (data/word_problems.py)."""
+
+    def is_correct(self, example, response: str) -> bool:
+        return self.checker(extract_final_answer(response), example.answer)
+
+    def final_answer(self, response: str) -> str | None:
+        """What the response answers (majority voting compares these), None when nothing."""
+        return extract_final_answer(response)
+
+    def has_style(self, response: str) -> bool:
+        return self.template.has_style(response)
+
+    def take_verifier_timeouts(self) -> int:
+        """Answer checks that timed out since the last call (logged as rewards/verifier_timeouts)."""
+        return self.checker.take_timeouts()

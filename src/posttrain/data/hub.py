@@ -24,7 +24,7 @@ import random
 import re
 from pathlib import Path
 
-from posttrain.data.answers import AnswerChecker, extract_final_answer, last_boxed_content
+from posttrain.data.answers import AnswerChecker, CheckedAnswers, last_boxed_content
 from posttrain.data.examples import Example, ListSource
 from posttrain.data.templates import PromptTemplate, check_messages, get_template, last_user_content
 from posttrain.errors import ConfigError, DataError
@@ -107,7 +107,7 @@ def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0]
 
 
-class HubSource(ListSource):
+class HubSource(CheckedAnswers, ListSource):
     """Examples of one datasets-backed table; answers checked by math-verify (data/answers.py)."""
 
     def __init__(self, kind: str, path: str, config: str | None, splits: dict, columns: dict,
@@ -198,20 +198,6 @@ class HubSource(ListSource):
         if name is None:
             return f"data.splits.{split} is null, but this run needs the {split} split"
         return (f"{self.name} has no split {name!r} (data.splits.{split}); its splits are {self.splits_present}")
-
-    def is_correct(self, example: Example, response: str) -> bool:
-        return self.checker(extract_final_answer(response), example.answer)
-
-    def final_answer(self, response: str) -> str | None:
-        """What the response answers (majority voting compares these), None when nothing."""
-        return extract_final_answer(response)
-
-    def has_style(self, response: str) -> bool:
-        return self.template.has_style(response)
-
-    def take_verifier_timeouts(self) -> int:
-        """Answer checks that timed out since the last call (logged as rewards/verifier_timeouts)."""
-        return self.checker.take_timeouts()
 
 
 def split_gsm8k_answer(text: str, where: str, column: str) -> tuple[str, str]:

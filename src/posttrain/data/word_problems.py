@@ -44,7 +44,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from posttrain.data.answers import AnswerChecker, extract_final_answer
+from posttrain.data.answers import AnswerChecker, CheckedAnswers
 from posttrain.data.arithmetic import SPLITS, split_of
 from posttrain.data.examples import Example, PromptLimits
 from posttrain.data.steps import StepRule
@@ -269,7 +269,7 @@ def evaluate_line(line: str) -> tuple[int, int] | None:
 
 # --- the task source ------------------------------------------------------------------------
 
-class WordProblemSource:
+class WordProblemSource(CheckedAnswers):
     """Endless seeded word problems asked through a template, as chat messages (`chat`) or plain
     text, after `shots` worked examples; answers checked with math-verify like `data=gsm8k`.
 
@@ -326,20 +326,6 @@ class WordProblemSource:
         turns = [turn for q, a in shots for turn in ({"role": "user", "content": self.template.user(q)},
                                                       {"role": "assistant", "content": a})]
         return Example(self.template.text(problem.question), response, answer, messages=[*system, *turns, user])
-
-    def is_correct(self, example: Example, response: str) -> bool:
-        return self.checker(extract_final_answer(response), example.answer)
-
-    def final_answer(self, response: str) -> str | None:
-        """What the response answers (majority voting compares these), None when nothing."""
-        return extract_final_answer(response)
-
-    def has_style(self, response: str) -> bool:
-        return self.template.has_style(response)
-
-    def take_verifier_timeouts(self) -> int:
-        """Answer checks that timed out since the last call (logged as rewards/verifier_timeouts)."""
-        return self.checker.take_timeouts()
 
 
 def build_word_problem_source(data_cfg) -> WordProblemSource:
