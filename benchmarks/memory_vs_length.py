@@ -2,7 +2,8 @@
 
 One step: 16 responses (2 prompts x 8 samples, a 64-token prompt each, every response the full
 length), log-probs of the response tokens (and the entropy, without gradient, as
-`OnlineRLModule.training_forward` takes it), a policy-gradient loss, its backward. Three forwards:
+`OnlineRLModule.training_forward` takes it), a policy-gradient loss, its backward. Three forwards
+(and, on request, a variant of the second):
 
 * ``old``  posttrain before issue 27: the grouped forward with explicit attention (scores
            [rows, heads, T, T] per layer, kept for the backward), the whole [B, T, V] logits,
@@ -10,6 +11,8 @@ length), log-probs of the response tokens (and the entropy, without gradient, as
            git (``git show <rev>:src/posttrain/models/grouped_forward.py``) into a temporary module.
 * ``new``  `posttrain.models.forward.sequence_logprobs`: the grouped forward with SDPA and
            one shared mask, hidden states, the LM head chunk by chunk inside the checkpoint.
+* ``new+ckpt`` (only when asked for) ``new`` with the model's activation checkpointing on: each
+           layer's step recomputed in the backward (`model.gradient_checkpointing=true`).
 * ``hf``   the Hugging Face forward (SDPA attention, its own mask from the [B, L] padding mask)
            with ``logits_to_keep``, then TRL's ``selective_log_softmax`` over the full logits
            and its ``entropy_from_logits`` under no_grad (what TRL's GRPO trainer does).
@@ -43,7 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (64, 128, 256, 512, 1024)
-METHODS = ("old", "new", "hf")
+METHODS = ("old", "new", "hf")  # the table's columns
+EXTRA_METHODS = ("new+ckpt",)  # measured when --methods names them, shown in a table of their own
 PROMPTS, GROUP, PROMPT_LEN = 2, 8, 64
 
 
@@ -92,11 +96,14 @@ def measure_one(method: str, length: int, layers: int, repeats: int, old_rev: st
     import transformers
 
     from posttrain import core
+    from posttrain.distributed.sharding import enable_activation_checkpointing
     from posttrain.models.forward import sequence_logprobs
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(smollm2_config(layers)).train()
     assert model.config._attn_implementation == "sdpa"
+    if method == "new+ckpt":
+        enable_activation_checkpointing(model)
     for p in model.parameters():  # gradient buffers are part of the baseline
         p.grad = torch.zeros_like(p)
     batch = PROMPTS * GROUP
@@ -112,7 +119,7 @@ def measure_one(method: str, length: int, layers: int, repeats: int, old_rev: st
         from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     def step():
-        if method == "new":
+        if method in ("new", "new+ckpt"):
             logp, _ = sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                                         with_entropy=True, entropy_grad=False)
         elif method == "old":
@@ -171,7 +178,7 @@ def run_all(lengths, methods, layers, repeats, old_rev, store: Path | None = Non
                 continue
             row = run_one(method, length, layers, repeats, old_rev)
             shown = "out of memory" if row.get("oom") else f"{row['peak_mb']:8.0f} MB  {row['seconds']:7.2f} s"
-            print(f"  {method:>3} T={length:5d}: {shown}", flush=True)
+            print(f"  {method:>8} T={length:5d}: {shown}", flush=True)
             rows.append(row)
             if store is not None:
                 store.parent.mkdir(parents=True, exist_ok=True)
@@ -202,13 +209,29 @@ def table(rows, lengths) -> str:
     return "\n".join(lines)
 
 
+def extra_table(rows, lengths) -> str:
+    """The `EXTRA_METHODS` rows measured, against ``new``."""
+    by = {(r["method"], r["length"]): r for r in rows}
+    lines = []
+    for method in EXTRA_METHODS:
+        if not any((method, n) in by for n in lengths):
+            continue
+        lines += [f"| response tokens | {method} MB | {method}/new MB | {method} s | {method}/new time |",
+                  "|---:|---:|---:|---:|---:|"]
+        for n in lengths:
+            x, w = by[(method, n)], by[("new", n)]
+            lines.append(f"| {n} | {_cell(x['peak_mb'], '.0f')} | {_ratio(x['peak_mb'], w['peak_mb'])} | "
+                         f"{_cell(x['seconds'], '.1f')} | {_ratio(x['seconds'], w['seconds'])} |")
+    return "\n".join(lines)
+
+
 def slopes(rows, lengths) -> str:
     """MB per added response token (of each of the 16 rows) between consecutive lengths."""
     by = {(r["method"], r["length"]): r["peak_mb"] for r in rows}
     steps = list(itertools.pairwise(lengths))
     lines = ["| method | " + " | ".join(f"{a}->{b}" for a, b in steps) + " |",
              "|---|" + "---:|" * len(steps)]
-    for method in METHODS:
+    for method in METHODS + tuple(m for m in EXTRA_METHODS if any(r["method"] == m for r in rows)):
         cells = []
         for a, b in steps:
             low, high = by.get((method, a)), by.get((method, b))
@@ -221,7 +244,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="steps per configuration up to 256 tokens (1 above)")
     parser.add_argument("--old-rev", default="HEAD", help="git revision of the old grouped forward")
@@ -237,8 +260,10 @@ def main(argv=None):
           f"tokens, fp32, OMP_NUM_THREADS={threads}", flush=True)
     store = args.out.with_suffix(".json") if args.out else None
     rows = run_all(args.lengths, args.methods, args.layers, args.repeats, args.old_rev, store, args.resume)
-    full = set(args.methods) == set(METHODS)
+    full = set(METHODS) <= set(args.methods)
     text = table(rows, args.lengths) if full else json.dumps(rows, indent=1)
+    if full and set(args.methods) - set(METHODS):
+        text += "\n\n" + extra_table(rows, args.lengths)
     slope = slopes(rows, args.lengths) if full else ""
     print(text)
     print(slope)

@@ -173,19 +173,18 @@ def test_lora_on_the_embedding_and_the_lm_head_is_read_by_the_sampler_and_the_gr
     assert torch.allclose(sampled[prompt_mask.bool()], peft_logits[prompt_mask.bool()], atol=1e-4, rtol=1e-4)
 
 
-def test_sequence_logits_uses_it_only_where_it_is_exact():
+def test_sequence_logits_uses_it_only_where_it_is_exact(monkeypatch):
     model = _qwen()
     assert grouped_forward_unsupported_reason(model) is None
-    checkpointed = copy.deepcopy(model)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert "gradient checkpointing" in grouped_forward_unsupported_reason(checkpointed)
+    assert grouped_forward_unsupported_reason(_checkpointed(model)) is None  # it checkpoints its own layers
     dropout = _llama(attention_dropout=0.1)
     assert "dropout" in grouped_forward_unsupported_reason(dropout)
     assert grouped_forward_unsupported_reason(dropout.eval()) is None  # no dropout in eval mode
     batch = _batch(model.config.vocab_size, group_size=2)
-    with torch.no_grad():  # the fallback (HF forward) and the grouped path agree
-        assert torch.allclose(sequence_logits(checkpointed.eval(), *batch)[batch[3].bool()],
-                              sequence_logits(model.eval(), *batch)[batch[3].bool()], atol=1e-5)
+    with torch.no_grad():
+        grouped = sequence_logits(model.eval(), *batch)[batch[3].bool()]
+        _model_forward_only(monkeypatch)
+        assert torch.allclose(sequence_logits(model, *batch)[batch[3].bool()], grouped, atol=1e-5)  # the fallback
 
 
 def test_sequence_logits_runs_each_prompt_of_a_group_once(monkeypatch):
@@ -251,19 +250,28 @@ def _checkpointed(model):
     return model
 
 
+def _model_forward_only(monkeypatch):
+    """From here on `models.forward` takes the model's own forward (the fallback), as for a
+    model the grouped forward cannot run."""
+    from posttrain.models import forward
+
+    monkeypatch.setattr(forward, "grouped_forward_unsupported_reason", lambda model: "the test's fallback")
+
+
 @pytest.mark.parametrize("arch", ["qwen", "llama", "llama_yarn", "qwen3", "llama_checkpointed"])
 @pytest.mark.parametrize("group_size", [1, 3])
 def test_sequence_logprobs_and_gradients_equal_the_hf_forward(arch, group_size):
     """The training forward's log-probs and entropies (hidden states, LM head chunk by chunk)
     and their gradients equal those of the HF forward's full logits, for uneven prompt and
-    response lengths; on the grouped forward (GQA in llama) and on the model's own forward
-    (qwen3's q/k norms, checkpointed llama: the LM head replaced by the scorer)."""
+    response lengths; on the grouped forward (GQA in llama; checkpointed llama: each layer's
+    step recomputed in the backward) and on the model's own forward (qwen3's q/k norms: the
+    LM head replaced by the scorer)."""
     from posttrain.models.forward import sequence_logprobs
 
     model = _qwen3() if arch == "qwen3" else MODELS[arch.removesuffix("_checkpointed")]()
     scored = _checkpointed(model) if arch.endswith("_checkpointed") else model
     grouped = grouped_forward_unsupported_reason(scored) is None
-    assert grouped == (arch in MODELS)
+    assert grouped == (arch != "qwen3")
     batch = _batch(model.config.vocab_size, group_size, pads=(0, 3, 1, 2), width=9, seed=group_size)
     real = batch[3].bool()
     weights = torch.randn(2, *real.shape, generator=torch.Generator().manual_seed(3)) * batch[3]
@@ -280,7 +288,7 @@ def test_sequence_logprobs_and_gradients_equal_the_hf_forward(arch, group_size):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
 
 
-def test_sequence_logprobs_of_a_lora_policy_equal_the_hf_forward():
+def test_sequence_logprobs_of_a_lora_policy_equal_the_hf_forward(monkeypatch):
     peft = pytest.importorskip("peft")
     from posttrain.models.forward import sequence_logprobs
 
@@ -292,7 +300,10 @@ def test_sequence_logprobs_of_a_lora_policy_equal_the_hf_forward():
                 p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
     batch = _batch(model.config.vocab_size, group_size=2, width=9)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    for scored in (model, _checkpointed(model)):  # the grouped forward, then the model's own
+    for path in ("grouped", "grouped_checkpointed", "model_forward"):
+        scored = _checkpointed(model) if path == "grouped_checkpointed" else model
+        if path == "model_forward":
+            _model_forward_only(monkeypatch)
         params = [p for p in scored.parameters() if p.requires_grad]
         logp, _ = _reference_logprobs(scored, batch, 1.0)
         expected = torch.autograd.grad((logp * batch[3]).sum(), params)
@@ -301,10 +312,10 @@ def test_sequence_logprobs_of_a_lora_policy_equal_the_hf_forward():
         for a, b in zip(got, expected):
             assert b.abs().sum() > 0
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    assert len(trainable) == len(params)
+        assert len(trainable) == len(params)
 
 
-def test_sequence_hidden_states_are_the_hf_decoders_on_both_paths():
+def test_sequence_hidden_states_are_the_hf_decoders_on_both_paths(monkeypatch):
     from posttrain.models.forward import sequence_hidden_states
 
     model = _llama()
@@ -312,7 +323,8 @@ def test_sequence_hidden_states_are_the_hf_decoders_on_both_paths():
     real = batch[3].bool()
     with torch.no_grad():
         grouped = sequence_hidden_states(model, *batch)
-        hf = sequence_hidden_states(_checkpointed(model).eval(), *batch)
+        _model_forward_only(monkeypatch)
+        hf = sequence_hidden_states(model, *batch)
         input_ids = torch.cat([batch[0], batch[2]], dim=1)
         mask = torch.cat([batch[1], batch[3].long()], dim=1)
         plain = model.model(input_ids=input_ids, attention_mask=mask,
@@ -367,7 +379,44 @@ def test_no_square_scores_are_saved_for_the_backward(autocast):
     assert all(t.shape == (len(batch[0]), 1, width - 1, batch[0].shape[1] + width - 1) for t in square)
 
 
-def test_the_training_forward_never_allocates_the_full_logits():
+def test_checkpointing_keeps_only_each_layers_inputs_and_gives_the_same_gradients(monkeypatch):
+    """With the model's gradient checkpointing on, each layer's step (its fused weights, both
+    blocks) is recomputed in the backward: the log-probs and gradients are the plain grouped
+    forward's, the fused q/k/v and gate/up copies are no longer kept for the backward (they are
+    built again: one more `fuse` per layer), and far less is saved."""
+    from posttrain.models.forward import sequence_logprobs
+    from posttrain.models.functional import DecoderWeights
+
+    layers = 3
+    model = _llama(num_hidden_layers=layers)
+    batch = _batch(model.config.vocab_size, group_size=2, width=16)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    fused_shapes = {((config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim, config.hidden_size),
+                    (2 * config.intermediate_size, config.hidden_size)}
+    fuse = DecoderWeights.fuse
+    results = {}
+    for scored in (model, _checkpointed(model)):
+        fused = []
+        monkeypatch.setattr(DecoderWeights, "fuse", lambda self, layer, fused=fused: fused.append(layer) or
+                            fuse(self, layer))
+        (logp, entropy), saved = _saved_during(
+            lambda scored=scored: sequence_logprobs(scored, *batch, with_entropy=True))
+        grads = torch.autograd.grad((logp * batch[3]).sum() + entropy.sum(), list(scored.parameters()))
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+        results[scored.is_activation_checkpointing] = {
+            "logp": logp, "entropy": entropy, "grads": grads, "fuses": len(fused),
+            "saved_bytes": sum(storages.values()), "fused_saved": sum(tuple(t.shape) in fused_shapes for t in saved)}
+    plain, checkpointed = results[False], results[True]
+    assert torch.equal(checkpointed["logp"], plain["logp"]) and torch.equal(checkpointed["entropy"], plain["entropy"])
+    for (name, _), a, b in zip(model.named_parameters(), checkpointed["grads"], plain["grads"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+    assert (plain["fuses"], checkpointed["fuses"]) == (layers, 2 * layers)
+    assert plain["fused_saved"] >= 2 * layers and checkpointed["fused_saved"] == 0
+    assert checkpointed["saved_bytes"] < plain["saved_bytes"] / 5
+
+
+def test_the_training_forward_never_allocates_the_full_logits(monkeypatch):
     """Every tensor the forward and the backward of `sequence_logprobs` create (seen at the
     dispatcher) is smaller than one chunk of logits: no [B, T, V] logits, in any dtype, on
     the grouped forward or on the model's own."""
@@ -391,7 +440,10 @@ def test_the_training_forward_never_allocates_the_full_logits():
     model = _llama(vocab_size=vocab, hidden_size=32, intermediate_size=48)
     batch = _batch(vocab, group_size=3, width=12)
     batch_tokens = batch[2].numel()
-    for scored in (model, _checkpointed(model)):
+    for path in ("grouped", "grouped_checkpointed", "model_forward"):
+        scored = _checkpointed(model) if path == "grouped_checkpointed" else model
+        if path == "model_forward":
+            _model_forward_only(monkeypatch)
         with Largest() as seen:
             logp, entropy = sequence_logprobs(scored, *batch, with_entropy=True, chunk_tokens=chunk)
             (logp.sum() + entropy.sum()).backward()

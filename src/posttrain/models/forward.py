@@ -5,16 +5,18 @@ predict each response token of a (prompt, response) batch.
 Memory is linear in the response length on every path:
 
 * attention is fused (SDPA) and never materialises [T, T] scores per layer: the lean grouped
-  forward (models/grouped_forward.py) where the architecture allows, else the model's own
-  forward with its SDPA attention (transformers' default), given one float [B, 1, L, L] mask
-  built once (a boolean or 2-D mask would make SDPA convert a float copy at every layer and
-  keep it for the backward) where that mask is exact for the model;
+  forward (models/grouped_forward.py) where the architecture allows (whole or FSDP2-sharded
+  weights, with or without activation checkpointing), else the model's own forward with its
+  SDPA attention (transformers' default), given one float [B, 1, L, L] mask built once (a
+  boolean or 2-D mask would make SDPA convert a float copy at every layer and keep it for the
+  backward) where that mask is exact for the model;
 * `sequence_logprobs` never builds the [B, T, V] logits: the LM head runs chunk by chunk
-  inside `core.token_logprobs_and_entropy_from_hidden`, recomputed in the backward. On the
-  model's own forward the LM head is swapped for that scorer for the duration of the call, so
-  it runs inside the model's forward: FSDP2 has gathered the head's weight there, and its
-  backward hooks see the scores as the forward's output. Only models whose logits are exactly
-  `lm_head(hidden)` take that path; the others (softcapped or scaled logits) score full logits.
+  inside `core.token_logprobs_and_entropy_from_hidden`, recomputed in the backward. It runs
+  inside the model's forward, where FSDP2 has gathered the head's weight and whose backward
+  hooks see the scores as the forward's output: in the grouped forward as its last step, on the
+  model's own forward as its LM head, swapped for the scorer for the duration of the call. Only
+  models whose logits are exactly `lm_head(hidden)` take that path; the others (softcapped or
+  scaled logits) score full logits.
 
 Only `sequence_logits` (full-vocabulary distillation, the tests' reference) returns logits.
 """
@@ -33,12 +35,7 @@ from posttrain.models.functional import (
     real_token_positions,
     without_adapter_wrapper,
 )
-from posttrain.models.grouped_forward import (
-    grouped_forward_unsupported_reason,
-    grouped_hidden_states,
-    grouped_logits,
-    grouped_weights,
-)
+from posttrain.models.grouped_forward import grouped_forward_unsupported_reason, grouped_hidden_states, grouped_logits
 
 # Architectures whose logits are exactly lm_head(last hidden state): no softcapping, no scale
 # after the head. The scorer replaces their LM head; any other model scores full logits.
@@ -89,12 +86,14 @@ def sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     docstring), except for models whose logits are not `lm_head(hidden)`."""
     options = dict(with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature)
     if grouped_forward_unsupported_reason(model) is None:
-        w = grouped_weights(model)
         group_size = prompt_group_size(prompt_ids, prompt_mask)
-        hidden = grouped_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
-                                       weights=w)
-        return logprobs_from_hidden(hidden, w.lm_head, w.lm_head_bias, response_ids, response_mask,
-                                    support_size=support_size, chunk_tokens=chunk_tokens, **options)
+
+        def score(hidden, weight, bias):  # inside the grouped forward (FSDP2: the LM head gathered)
+            return logprobs_from_hidden(hidden, weight, bias, response_ids, response_mask, support_size=support_size,
+                                        chunk_tokens=chunk_tokens, **options)
+
+        return grouped_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
+                                     then=score)
     if head_is_plain(model):
         return _scored_by_the_model(model, prompt_ids, prompt_mask, response_ids, response_mask,
                                     support_size=support_size, chunk_tokens=chunk_tokens, **options)

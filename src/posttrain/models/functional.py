@@ -44,8 +44,11 @@ from torch import nn
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
-def unsupported_reason(model: nn.Module) -> Optional[str]:
-    """None if the functional path reproduces ``model`` exactly, else why not."""
+def unsupported_reason(model: nn.Module, *, allow_sharded: bool = False) -> Optional[str]:
+    """None if the functional path reproduces ``model`` exactly, else why not. FSDP2-sharded
+    weights are refused unless ``allow_sharded``: the sampler reads whole weights, while the
+    grouped forward (models/grouped_forward.py) reads each FSDP unit's inside a call that
+    gathers them."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -66,7 +69,7 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     attn = base.layers[0].self_attn
     if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
         return "q/k norms (Qwen3-style) are not supported"
-    if any(_is_sharded(p) for p in model.parameters()):
+    if not allow_sharded and any(_is_sharded(p) for p in model.parameters()):
         return "parameters are sharded DTensors (FSDP2): gather them first, or use the HF loop"
     return _rotary_reason(base.rotary_emb, config, base.embed_tokens.weight.device)
 
@@ -198,15 +201,16 @@ def base_layer(layer: nn.Module) -> nn.Module:
     return get_base_layer() if callable(get_base_layer) else layer
 
 
-class FusedWeights:
-    """The model's weights, regrouped for the functional forward (see module docstring).
+class DecoderWeights:
+    """The model's weights as the functional forwards read them. The embedding, the final norm,
+    the LM head and the shapes are read at construction; each decoder layer's fused weights
+    (`_Layer`) are built by `fuse` from its module (`blocks`), when a forward needs them: the
+    grouped forward fuses one layer at a time, inside that layer's step, so that a layer's
+    fused copy lives only as long as that layer needs it (and FSDP2 has gathered the layer's
+    weights for the step)."""
 
-    Holds one extra copy of the q/k/v/gate/up projections, for the duration of one
-    ``generate`` call.
-    """
-
-    def __init__(self, model: nn.Module):
-        reason = unsupported_reason(model)
+    def __init__(self, model: nn.Module, *, allow_sharded: bool = True):
+        reason = unsupported_reason(model, allow_sharded=allow_sharded)
         if reason is not None:
             raise ValueError(f"the functional decode path cannot run this model: {reason}")
         config = model.config
@@ -222,9 +226,11 @@ class FusedWeights:
         self.lm_head = effective_weight(model.lm_head)
         self.lm_head_bias = getattr(model.lm_head, "bias", None)
         self.rotary = base.rotary_emb
-        self.layers = [self._fuse(layer) for layer in base.layers[: config.num_hidden_layers]]
+        self.blocks = list(base.layers[: config.num_hidden_layers])  # the decoder layer modules
 
-    def _fuse(self, layer: nn.Module) -> _Layer:
+    def fuse(self, layer: nn.Module) -> _Layer:
+        """One decoder layer's weights, regrouped (see the module docstring): a differentiable
+        copy of its q/k/v and gate/up projections."""
         attn, mlp = layer.self_attn, layer.mlp
         hq, hkv = self.num_heads, self.num_kv_heads
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -250,6 +256,19 @@ class FusedWeights:
             w_down_t=effective_weight(mlp.down_proj).t(),
             b_down=mlp.down_proj.bias,
         )
+
+
+class FusedWeights(DecoderWeights):
+    """Every decoder layer fused once, for the sampler (see module docstring): whole weights
+    only (not FSDP2 shards).
+
+    Holds one extra copy of the q/k/v/gate/up projections, for the duration of one
+    ``generate`` call.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model, allow_sharded=False)
+        self.layers = [self.fuse(layer) for layer in self.blocks]
 
 
 def prompt_group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
@@ -299,7 +318,7 @@ def softmax_last(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, SOFTMAX_MIN_WIDTH - width), value=float("-inf")).softmax(dim=-1)[..., :width]
 
 
-def rotation(w: FusedWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rotation(w: DecoderWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """e^{i theta p} per (position, rotary pair) [..., D/2], from HF's own rotary module, so
     every static RoPE variant (theta, llama3, yarn, attention scaling) matches.  HF's cos/sin
     repeat their first half: one angle per ``rotate_half`` pair."""
@@ -309,7 +328,7 @@ def rotation(w: FusedWeights, positions: torch.Tensor, dtype: torch.dtype) -> to
     return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real))
 
 
-def final_logits(w: FusedWeights, h: torch.Tensor) -> torch.Tensor:
+def final_logits(w: DecoderWeights, h: torch.Tensor) -> torch.Tensor:
     """The final norm and the LM head."""
     return F.linear(_unit_rms(h, w.final_floor) * w.final_gain, w.lm_head, w.lm_head_bias)
 

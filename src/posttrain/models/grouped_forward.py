@@ -11,9 +11,24 @@ gradients are those of the plain forward (tested to float32 rounding).
 
 It is the lean functional decoder of `models/functional.py` (fused q/k/v and gate/up
 matmuls, folded norm gains, RoPE as one complex multiply), written out of place so autograd
-can run through it. The fused weights are rebuilt from the parameters at each call (a
-differentiable `cat`): an extra copy of the projections for the forward's lifetime (kept for
-the backward when grad is on).
+can run through it. The decoder is a loop of per-layer steps (prompt block, then response
+block), and each step fuses its own layer's weights from the parameters (`DecoderWeights.fuse`,
+a differentiable `cat`): without grad one layer's fused copy exists at a time; with grad each
+layer's copy is kept for the backward (its matmuls save it), unless checkpointing is on.
+
+Activation checkpointing: when the Hugging Face model has it on (`gradient_checkpointing_enable`)
+and grad is enabled, each layer's step runs inside `torch.utils.checkpoint` (non-reentrant), so
+the backward keeps only each layer's inputs (the prompt and response hidden states) and rebuilds
+the fused weights and activations in the recompute. The same ops run again: log-probs and
+gradients are those of the plain grouped forward.
+
+FSDP2 (trainer=fsdp, `distributed/sharding.py:shard_lm`: every decoder layer and the model are
+FSDP units): each layer's step runs as a forward of that layer's unit and the whole grouped
+forward (embedding, final norm, and the caller's LM-head scoring) as one of the model's, through
+`register_fsdp_forward_method`: a unit's weights are gathered just before its step and freed
+after it (reshard_after_forward), gathered again for its backward, and its gradients
+reduce-scattered as after the model's own forward; one layer is whole at a time. Checkpointing composes with it as in Hugging Face's layers: FSDP's hooks
+outside the checkpoint, so the recompute reads the weights that the backward gathered.
 
 Memory is linear in the response length. Attention is
 `torch.nn.functional.scaled_dot_product_attention`, never explicit scores: on CPU its flash
@@ -58,20 +73,27 @@ padding's matmuls, so it stays.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from posttrain.models.functional import (
-    FusedWeights,
+    DecoderWeights,
     _unit_rms,
     real_token_positions,
     rotation,
     unsupported_reason,
     without_adapter_wrapper,
 )
+
+try:
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+except ImportError:  # torch built without distributed
+    FSDPModule = None
 
 # The CUDA memory-efficient kernel wants a mask whose rows start 16-aligned (else it pads a copy).
 MASK_ALIGNMENT = 16
@@ -80,14 +102,11 @@ MASK_ALIGNMENT = 16
 def grouped_forward_unsupported_reason(model: nn.Module) -> Optional[str]:
     """None if `grouped_logits` reproduces ``model``'s forward (in its current mode), else why not."""
     hf_model = without_adapter_wrapper(model)
-    reason = unsupported_reason(hf_model)
+    reason = unsupported_reason(hf_model, allow_sharded=True)
     if reason is not None:
         return reason
     if model.training and float(getattr(hf_model.config, "attention_dropout", 0.0) or 0.0) > 0:
         return "attention dropout is on"
-    checkpointing = getattr(hf_model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
-    if checkpointing if checkpointing is not None else getattr(hf_model, "is_gradient_checkpointing", False):
-        return "gradient checkpointing is on (the HF forward recomputes its blocks)"
     if model.training and hasattr(model, "peft_config"):  # a PEFT model: its adapters' input dropout
         for module in model.modules():
             if any(isinstance(d, nn.Dropout) and d.p > 0 for d in getattr(module, "lora_dropout", {}).values()):
@@ -101,9 +120,10 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
 
 
-def grouped_weights(model: nn.Module) -> FusedWeights:
-    """The fused weights `grouped_hidden_states` reads (its LM head: ``.lm_head``, ``.lm_head_bias``)."""
-    return FusedWeights(without_adapter_wrapper(model))
+def _checkpointing(hf_model: nn.Module) -> bool:
+    """Whether the Hugging Face model has activation (gradient) checkpointing on."""
+    on = getattr(hf_model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
+    return bool(on if on is not None else getattr(hf_model, "is_gradient_checkpointing", False))
 
 
 def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -115,39 +135,82 @@ def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     prompts (`functional.prompt_group_size`). Logits of positions that predict padding are 0.
     Differentiable when grad is enabled. The whole [B, T, V] exists: the training forward
     reads `grouped_hidden_states` instead and applies the LM head chunk by chunk."""
-    w = grouped_weights(model)
-    first, rest, rows = _trunk(w, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
-    batch, width = response_ids.shape
-    first = _head(w, first).repeat_interleave(group_size, dim=0)[:, None]  # [B, 1, V]
-    rest = _head(w, rest)                                                   # [N, V]
-    rest = rest.new_zeros(batch * (width - 1), rest.shape[-1]).index_copy(0, rows, rest).view(batch, width - 1, -1)
-    return torch.cat([first, rest], dim=1)
+    def logits(w, first, rest, rows):  # the head on the computed positions only
+        return _unpacked(_head(w, first), _head(w, rest), rows, group_size, response_ids.shape)
+
+    return _grouped(model, logits, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
 
 
 def grouped_hidden_states(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                          response_ids: torch.Tensor, response_mask: torch.Tensor, group_size: int,
-                          weights: FusedWeights | None = None) -> torch.Tensor:
+                          response_ids: torch.Tensor, response_mask: torch.Tensor, group_size: int, then=None):
     """The final-normed hidden states (the LM head's input) at the positions predicting each
     response token, [B, T, H]: `grouped_logits` without the LM head. Positions that predict
-    padding are 0. ``weights``: `grouped_weights(model)`, if the caller also needs its LM head."""
-    w = weights if weights is not None else grouped_weights(model)
-    first, rest, rows = _trunk(w, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
-    batch, width = response_ids.shape
-    first = first.repeat_interleave(group_size, dim=0)[:, None]  # [B, 1, H]
+    padding are 0. With ``then``, ``then(hidden, lm_head_weight, lm_head_bias)`` is returned
+    instead, computed in the same forward: under FSDP2 that is where the LM head is gathered
+    (`forward.sequence_logprobs` scores the tokens chunk by chunk there)."""
+    def hidden(w, first, rest, rows):
+        h = _unpacked(first, rest, rows, group_size, response_ids.shape)
+        return h if then is None else then(h, w.lm_head, w.lm_head_bias)
+
+    return _grouped(model, hidden, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
+
+
+def _grouped(model, finish, prompt_ids, prompt_mask, response_ids, response_mask, group_size):
+    """``finish(weights, *_trunk(...))``, the whole run as a forward of ``model`` (`_as_forward_of`)."""
+    hf_model = without_adapter_wrapper(model)
+    checkpointed = _checkpointing(hf_model) and torch.is_grad_enabled()
+
+    def forward(prompt_ids, prompt_mask, response_ids, response_mask):
+        w = DecoderWeights(hf_model)  # read here: an FSDP2 root's weights are whole only inside its forward
+        return finish(w, *_trunk(w, prompt_ids, prompt_mask, response_ids, response_mask, group_size, checkpointed))
+
+    return _as_forward_of(model, forward, prompt_ids, prompt_mask, response_ids, response_mask)
+
+
+def _as_forward_of(module: nn.Module, fn, *args):
+    """``fn(*args)``, run as a forward of ``module``. For an FSDP2 unit, FSDP's forward hooks
+    run around it as around ``module(*args)``: the unit's weights are gathered for the call
+    (and freed after it, as its reshard_after_forward says), the outputs' backward gathers them
+    again, and the unit's gradients are reduce-scattered when its backward is done. Otherwise
+    just ``fn(*args)``. Tensors that need gradients must come in ``args`` (FSDP hooks the
+    unit's backward onto them), not in ``fn``'s closure."""
+    if FSDPModule is None or not isinstance(module, FSDPModule):
+        return fn(*args)
+    # register_fsdp_forward_method wraps a method the module has: one that calls fn, for this call
+    module.posttrain_grouped_forward = _call
+    register_fsdp_forward_method(module, "posttrain_grouped_forward")
+    try:
+        return module.posttrain_grouped_forward(fn, *args)
+    finally:
+        del module.posttrain_grouped_forward
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+def _unpacked(first: torch.Tensor, rest: torch.Tensor, rows: torch.Tensor, group_size: int, shape) -> torch.Tensor:
+    """[B, T, F] (``shape`` = (B, T)) from each prompt's last position ``first`` [U, F] (shared
+    by its group's rows) and the packed response positions ``rest`` [N, F] (at ``rows`` of the
+    [B * (T - 1)] layout); 0 at the positions that predict padding."""
+    batch, width = shape
+    first = first.repeat_interleave(group_size, dim=0)[:, None]  # [B, 1, F]
     rest = rest.new_zeros(batch * (width - 1), rest.shape[-1]).index_copy(0, rows, rest).view(batch, width - 1, -1)
     return torch.cat([first, rest], dim=1)
 
 
-def _final_norm(w: FusedWeights, h: torch.Tensor) -> torch.Tensor:
+def _final_norm(w: DecoderWeights, h: torch.Tensor) -> torch.Tensor:
     return _unit_rms(h, w.final_floor) * w.final_gain
 
 
-def _head(w: FusedWeights, normed: torch.Tensor) -> torch.Tensor:
+def _head(w: DecoderWeights, normed: torch.Tensor) -> torch.Tensor:
     return F.linear(normed, w.lm_head, w.lm_head_bias)
 
 
-def _trunk(w: FusedWeights, prompt_ids, prompt_mask, response_ids, response_mask, group_size):
-    """The decoder over each group's prompt once and over the packed response tokens.
+def _trunk(w: DecoderWeights, prompt_ids, prompt_mask, response_ids, response_mask, group_size,
+           checkpointed: bool = False):
+    """The decoder over each group's prompt once and over the packed response tokens, layer by
+    layer (`_decoder_layer`; each step checkpointed if ``checkpointed``).
     Returns (final-normed hidden state of each prompt's last position [U, H] (it predicts its
     responses' first tokens), final-normed hidden states of the packed response tokens [N, H],
     their `rows` in the [B * (T - 1)] layout)."""
@@ -171,12 +234,25 @@ def _trunk(w: FusedWeights, prompt_ids, prompt_mask, response_ids, response_mask
     response_pos = response_pos.repeat_interleave(g, dim=0).reshape(-1)[rows]
     response_rot = rotation(w, response_pos, dtype)[:, None, :]  # [N, 1 (heads), D/2]
 
-    prompt_bias, response_bias = _attention_masks(prompt_mask, g, span, _query_dtype(dtype, device))
-    for layer in w.layers:
-        hp, kp, vp = _prompt_block(w, layer, hp, prompt_rot, prompt_bias)
-        if len(rows):
-            hr = _response_block(w, layer, hr, rows, (u, g, span), kp, vp, response_rot, response_bias)
+    masks = _attention_masks(prompt_mask, g, span, _query_dtype(dtype, device))
+    for block in w.blocks:
+        step = functools.partial(_decoder_layer, w, block, rows=rows, shape=(u, g, span),
+                                 rotations=(prompt_rot, response_rot), masks=masks)
+        if checkpointed:  # the backward keeps the step's inputs only, and runs it again
+            step = functools.partial(checkpoint, step, use_reentrant=False)
+        hp, hr = _as_forward_of(block, step, hp, hr)
     return _final_norm(w, hp[:, -1]), _final_norm(w, hr), rows
+
+
+def _decoder_layer(w: DecoderWeights, block: nn.Module, hp, hr, *, rows, shape, rotations, masks):
+    """One decoder layer over the unique prompts hp [U, P, H] and the packed response tokens
+    hr [N, H], with its fused weights, built here from ``block``'s parameters (whole in this
+    call under FSDP2; built again in a checkpoint's recompute)."""
+    layer = w.fuse(block)
+    hp, kp, vp = _prompt_block(w, layer, hp, rotations[0], masks[0])
+    if len(rows):
+        hr = _response_block(w, layer, hr, rows, shape, kp, vp, rotations[1], masks[1])
+    return hp, hr
 
 
 def _query_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -217,7 +293,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1 and q.device.type == "cpu")
 
 
-def _split_qkv(w: FusedWeights, out: torch.Tensor):
+def _split_qkv(w: DecoderWeights, out: torch.Tensor):
     # one split (its backward is one cat), not three slices (each a zero-filled full-size gradient)
     nq, nk = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
     return out.split((nq, nk, nk), dim=-1)
@@ -228,7 +304,7 @@ def _mlp(layer, h: torch.Tensor) -> torch.Tensor:
     return h + F.linear(F.silu(gate) * up, layer.w_down_t.t(), layer.b_down)
 
 
-def _prompt_block(w: FusedWeights, layer, hp, rotation, mask):
+def _prompt_block(w: DecoderWeights, layer, hp, rotation, mask):
     """One decoder layer over the unique prompts [U, P, H]; also returns their keys and values
     [U, kv_heads, P, D] for the responses to attend to."""
     u, plen, _ = hp.shape
@@ -241,7 +317,7 @@ def _prompt_block(w: FusedWeights, layer, hp, rotation, mask):
     return _mlp(layer, hp + F.linear(a, layer.w_o_t.t(), layer.b_o)), k, v
 
 
-def _response_block(w: FusedWeights, layer, hr, rows, shape, kp, vp, rotation, mask):
+def _response_block(w: DecoderWeights, layer, hr, rows, shape, kp, vp, rotation, mask):
     """One decoder layer over the packed response tokens hr [N, H] (`rows` of the [B * (T-1)]
     layout, `rotation` [N, 1, D/2] their RoPE). Attention runs on that padded layout: each
     row's queries over its group's prompt keys followed by its own response's keys, with the
