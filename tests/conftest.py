@@ -16,7 +16,21 @@ from omegaconf import open_dict
 
 from posttrain.conf import CONFIG_DIR
 
-torch.set_num_threads(int(os.environ.get("POSTTRAIN_TEST_THREADS", "2")))
+
+def threads_per_test_process() -> int:
+    """Torch threads per test process: the cores shared among the xdist workers. More threads
+    than cores make OpenMP's waiting threads spin against each other: one test took 18x its time
+    alone when two workers of 2 threads shared 2 cores. POSTTRAIN_TEST_THREADS overrides."""
+    if "POSTTRAIN_TEST_THREADS" in os.environ:
+        return int(os.environ["POSTTRAIN_TEST_THREADS"])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+# the runs these tests start in this process (num_threads: null) and in subprocesses (which
+# read OMP_NUM_THREADS) keep to this process's share of the cores
+os.environ["OMP_NUM_THREADS"] = str(threads_per_test_process())
+torch.set_num_threads(threads_per_test_process())
 
 
 def compose_config(overrides: list[str], output_dir: Path | None = None):
