@@ -83,8 +83,10 @@ What cannot be matched exactly (checked against TRL 1.16.0 / transformers 5.23):
   the k3 clamps (far from reached at beta 0.01) can differ. Warm-up: TRL's
   constant_with_warmup starts at lr 0 (step / 5), posttrain at lr / 5 ((step + 1) / 5).
 * TRL's GRPOConfig defaults that would differ are set explicitly: bf16 (TRL's default on)
-  off, gradient checkpointing (TRL's default on) off. Both step AdamW with torch's fused
-  kernel (`optim="adamw_torch_fused"`, TRL's default here; posttrain's too).
+  off, gradient checkpointing (TRL's default on) off unless `--gradient-checkpointing` turns
+  it on in both frameworks (posttrain's grouped forward then recomputes each layer's step).
+  Both step AdamW with torch's fused kernel (`optim="adamw_torch_fused"`, TRL's default
+  here; posttrain's too).
 * Per-step bookkeeping: TRL gathers and stores a dozen metrics per step (reward std,
   clip ratios, completion lengths, entropy, KL) and tokenises the prompt strings at every
   step; posttrain logs its metrics through Lightning (`logger=none` here). Both count as
@@ -186,6 +188,8 @@ def posttrain_overrides(args, output_dir: str, max_steps: int) -> list[str]:
         overrides += ["eval.num_prompts=2", "eval.max_new_tokens=16"] if real else ["eval.num_prompts=16"]
     if args.kl == "none":
         overrides.append("kl_estimator=none")
+    if getattr(args, "gradient_checkpointing", False):
+        overrides.append("model.gradient_checkpointing=true")
     if args.device == "cuda":
         overrides += ["trainer=fsdp", "trainer.accelerator=gpu", "trainer.devices=1",
                       "trainer.strategy.param_dtype=bfloat16", f"rollout={args.rollout}"]
@@ -464,7 +468,8 @@ def trl_worker(args) -> dict:
         epsilon=grpo.clip_low, epsilon_high=grpo.clip_high, scale_rewards="group",
         optim="adamw_torch_fused", learning_rate=optim.lr, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
         weight_decay=optim.weight_decay, lr_scheduler_type="constant_with_warmup", warmup_steps=optim.warmup_steps,
-        max_grad_norm=grpo.max_grad_norm, gradient_checkpointing=False, disable_dropout=True,
+        max_grad_norm=grpo.max_grad_norm, gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
+        disable_dropout=True,
         shuffle_dataset=False, remove_unused_columns=False, dataloader_num_workers=0,
         report_to="none", save_strategy="no", logging_steps=1_000_000_000, log_completions=False, disable_tqdm=True,
         use_vllm=on_gpu and args.rollout == "vllm", vllm_mode="colocate",
@@ -656,7 +661,7 @@ def plot_accuracy(curves: dict[str, list[list[dict]]], summary: dict, path: Path
 
 # --- the parent --------------------------------------------------------------------------------
 WORKER_OPTIONS = ("model", "threads", "steps", "warmup", "seconds", "eval_every", "device", "rollout", "task",
-                  "prompts", "group_size", "max_new_tokens", "ignore_eos")
+                  "prompts", "group_size", "max_new_tokens", "ignore_eos", "gradient_checkpointing")
 
 
 def run_worker(framework: str, kl: str, mode: str, seed: int, args, out: Path) -> dict:
@@ -757,6 +762,9 @@ def parse_args(argv=None):
                         help="generation limit (default: arithmetic 8, word_problems 128)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="every response runs to exactly --max-new-tokens in both frameworks")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="both frameworks recompute each decoder layer in the backward (posttrain: "
+                             "model.gradient_checkpointing=true; TRL: gradient_checkpointing=True)")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -810,6 +818,8 @@ def main(argv=None) -> None:
             return "the preset's" if value is None else value
 
         length = "every row to the limit (--ignore-eos)" if args.ignore_eos else "until EOS or the limit"
+        if args.gradient_checkpointing:
+            length += ", gradient checkpointing on"
         print(f"{shown(args.prompts)} prompts x {shown(args.group_size)} samples, max new tokens "
               f"{shown(args.max_new_tokens)}, {length}", flush=True)
     if args.mode in ("step", "all"):
