@@ -18,9 +18,10 @@ import importlib.util
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
+
+from forked_cli import run_command
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -145,8 +146,8 @@ def run_documented_commands(commands: list[str], tmp_path: Path, model_dir: Path
         if "vs_trl.py" in command and importlib.util.find_spec("trl") is None:
             continue  # the benchmark against TRL needs the `bench` extra
         arguments = with_budget(shlex.split(fill_placeholders(command, log_dir)), log_dir, model_dir)
-        result = subprocess.run(as_process(arguments), capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                                env=env)
+        result = run_command(as_process(arguments), capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                             env=env)
         output = result.stdout + result.stderr
         assert result.returncode == 0, f"documented command failed: {command}\n{output[-4000:]}"
         assert "Traceback" not in output, f"{command}\n{output[-4000:]}"

@@ -18,6 +18,7 @@ from posttrain.config.check import check_config, keys_without_spec
 from posttrain.errors import ConfigError
 from posttrain.conf import CONFIG_DIR
 
+from forked_cli import run_command
 from conftest import compose_config
 
 GROUPS = ["algorithm", "kl_estimator", "advantage", "reward", "data_curriculum", "model", "data", "rollout",
@@ -268,7 +269,7 @@ def test_a_rule_does_not_reason_about_a_value_already_refused():
 
 def posttrain(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "posttrain.train", *args, "logger=none", f"paths.log_dir={log_dir}"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return run_command(command, capture_output=True, text=True, timeout=300)
 
 
 def assert_refused_before_anything_is_written(result, log_dir: Path, *needles: str):

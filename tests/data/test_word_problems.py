@@ -3,7 +3,6 @@ answer, deterministic, split by a stable hash, with knobs that do what they say,
 math-verify, composed and run through the real CLI."""
 
 import re
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from posttrain.data.word_problems import (OPERATIONS, QUANTITY_CAP, WordProblemS
                                           evaluate_line)
 from posttrain.errors import ConfigError
 
+from forked_cli import run_command
 from conftest import compose_config
 
 # (name, knobs): each difficulty the recomputation runs over
@@ -281,7 +281,7 @@ def test_two_sft_steps_through_the_cli_on_the_embedded_model(tmp_path):
     command = [sys.executable, "-m", "posttrain.train", "data=word_problems", "data.chat=false",
                "model.max_position_embeddings=512", "data.max_response_tokens=48", "algorithm.batch_size=8", *QUICK,
                f"paths.log_dir={tmp_path}"]
-    ran = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    ran = run_command(command, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     (summary,) = tmp_path.rglob("summary.json")
     assert '"global_step": 2' in summary.read_text()

@@ -24,6 +24,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_char_tokenizer
 from posttrain.rewards.prm import ProcessRewardModel
 
+from forked_cli import run_command
 from conftest import rollout_batch
 from conftest import make_reward_model_dir
 
@@ -244,7 +245,7 @@ def test_the_oracle_needs_a_step_verifier_and_a_step_rule():
 
 def posttrain_eval(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "posttrain.eval.evaluate", *args, "num_threads=1", f"paths.log_dir={log_dir}"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return run_command(command, capture_output=True, text=True, timeout=300)
 
 
 def test_cli_reports_every_selector_for_each_n(sft_start, reward_model_dir, tmp_path):

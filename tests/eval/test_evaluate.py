@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from forked_cli import run_command
+
 # 1-digit addition: 60 SFT steps reach a non-zero greedy accuracy, so the comparisons mean something
 TASK = ["data.min_digits=1", "data.max_digits=1"]
 SMALL_EVAL = ["eval.num_prompts=16", "eval.batch_size=16"]
@@ -16,7 +18,7 @@ SMALL_EVAL = ["eval.num_prompts=16", "eval.batch_size=16"]
 
 def posttrain_eval(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "posttrain.eval.evaluate", *args, "num_threads=1", f"paths.log_dir={log_dir}"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return run_command(command, capture_output=True, text=True, timeout=300)
 
 
 def eval_results(result: subprocess.CompletedProcess, log_dir: Path) -> dict:
@@ -32,7 +34,7 @@ def trained_run(tmp_path_factory) -> Path:
     command = [sys.executable, "-m", "posttrain.train", "algorithm=sft", "trainer.max_steps=60",
                "trainer.val_check_interval=60", *SMALL_EVAL, *TASK, "eval.at_start=false", "logger=none",
                "callbacks.progress_bar=none", "num_threads=1", f"paths.log_dir={log_dir}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = run_command(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = log_dir.glob("sft/runs/*")
     return run_dir

@@ -16,6 +16,8 @@ import yaml
 from posttrain.run.history import MetricsHistory, read_history
 from posttrain.eval.report import load_history, main, read_csv_history, seed_band, write_report
 
+from forked_cli import run_command
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -255,7 +257,7 @@ def test_a_real_two_job_sweep_reports(tmp_path):
                "algorithm.warm_start.steps=4", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
                "trainer.max_steps=3", "trainer.val_check_interval=3", "eval.num_prompts=8", "eval.batch_size=8",
                "logger=csv", "callbacks.progress_bar=none", f"paths.log_dir={tmp_path}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = run_command(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (sweep,) = list((tmp_path / "multiruns").iterdir())
     report = subprocess.run(["posttrain-report", str(sweep)], capture_output=True, text=True, timeout=120)

@@ -14,6 +14,7 @@ from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.models.lora import has_adapter
 from posttrain.train import run
 
+from forked_cli import run_command
 from conftest import EASY_TASK, FAST_RUN, module_from_config
 
 LORA = ("model.lora.r=4", "model.lora.alpha=8")
@@ -182,7 +183,6 @@ def test_posttrain_eval_scores_an_adapter_export_and_a_lora_checkpoint_as_traini
                                                                                       tmp_path):
     """An adapter-only export is evaluated on its recorded base; a checkpoint of a LoRA policy
     loads onto a wrapped policy. Both reproduce the run's own final held-out eval."""
-    import subprocess
     import sys
 
     run_dir = tmp_path / "sft"
@@ -193,8 +193,8 @@ def test_posttrain_eval_scores_an_adapter_export_and_a_lora_checkpoint_as_traini
     assert (run_dir / "hf_model/adapter_config.json").is_file()
     for weights in (run_dir, run_dir / "checkpoints/last.ckpt"):
         log_dir = tmp_path / f"eval_{weights.name}"
-        result = subprocess.run([sys.executable, "-m", "posttrain.eval.evaluate", f"checkpoint={weights}", "num_threads=1",
-                                 f"paths.log_dir={log_dir}"], capture_output=True, text=True, timeout=300)
+        result = run_command([sys.executable, "-m", "posttrain.eval.evaluate", f"checkpoint={weights}", "num_threads=1",
+                              f"paths.log_dir={log_dir}"], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         (path,) = log_dir.glob("eval/runs/*/eval.json")
         results = json.loads(path.read_text())

@@ -6,11 +6,11 @@ number is a ConfigError naming its key."""
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from forked_cli import run_command
 from conftest import FAST_RUN
 from test_input_checks import assert_clean_failure, posttrain
 
@@ -44,8 +44,8 @@ def test_an_unknown_group_option_is_one_line_naming_the_nearest_options(argument
 def test_posttrain_eval_names_an_unknown_option_in_one_line(tmp_path):
     command = [sys.executable, "-m", "posttrain.eval.evaluate", "checkpoint=nowhere", "data=arithmetik",
                f"paths.log_dir={tmp_path}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_command(command, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     message = assert_clean_failure(result, tmp_path, "posttrain-eval: error: data=arithmetik: config group data",
                                    "arithmetic")
     assert len(message.strip().splitlines()) == 1, message

@@ -5,13 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forked_cli import run_command
+
 QUICK = ["logger=none", "callbacks.progress_bar=none", "eval.num_prompts=16", "eval.batch_size=16",
          "trainer.max_steps=2", "trainer.val_check_interval=2", "eval.at_start=false"]
 
 
 def posttrain(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "posttrain.train", *args, f"paths.log_dir={log_dir}"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return run_command(command, capture_output=True, text=True, timeout=300)
 
 
 def assert_clean_failure(result, *needles: str):

@@ -17,6 +17,8 @@ from rich.console import Console
 from posttrain.run.callbacks import StepProgressBar
 from posttrain.run.console import BannerFilter, ConsoleHandler, wandb_settings
 
+from forked_cli import run_command
+
 TINY_RUN = ["trainer.max_steps=4", "trainer.val_check_interval=2", "eval.num_prompts=8", "eval.batch_size=8",
             "algorithm.batch_size=8", "callbacks.checkpoint.every_n_train_steps=4"]
 
@@ -31,7 +33,7 @@ def posttrain(*args: str, log_dir: Path, env: dict | None = None) -> subprocess.
     run_env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "WANDB_MODE")}
     run_env.update(env or {})
     command = [sys.executable, "-m", "posttrain.train", *args, f"paths.log_dir={log_dir}"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=run_env)
+    return run_command(command, capture_output=True, text=True, timeout=600, env=run_env)
 
 
 def repeated_lines(text: str) -> list[str]:

@@ -23,6 +23,8 @@ from posttrain.models.loading import load_initial_weights, load_pretrained
 from posttrain.models.tiny import build_char_tokenizer, build_tiny_model
 from posttrain.files import save_pretrained_atomic, write_json_atomic
 
+from forked_cli import run_command
+
 ALPHABET = "0123456789+=,>"
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
 QUICK = ["logger=none", "callbacks.progress_bar=none", "eval.num_prompts=8", "eval.batch_size=8",
@@ -34,7 +36,7 @@ QUICK = ["logger=none", "callbacks.progress_bar=none", "eval.num_prompts=8", "ev
 def posttrain(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "posttrain.train", *args, f"paths.log_dir={log_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return run_command(command, capture_output=True, text=True, timeout=300, env=env)
 
 
 def assert_clean_failure(result, log_dir: Path, *needles: str) -> str:

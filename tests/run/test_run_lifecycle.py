@@ -14,13 +14,15 @@ from omegaconf import OmegaConf
 from posttrain.run.cli import resume_arguments
 from posttrain.prepare.warm_start import warm_start_plan
 
+from forked_cli import run_command
+
 ONLINE_PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "ppo"]
 QUICK = ["logger=none", "callbacks.progress_bar=none", "eval.num_prompts=16", "eval.batch_size=16"]
 
 
 def posttrain(*args: str, log_dir: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "posttrain.train", *args, f"paths.log_dir={log_dir}"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return run_command(command, capture_output=True, text=True, timeout=300)
 
 
 def assert_clean_failure(result, *needles: str):
@@ -76,8 +78,8 @@ def test_resume_from_the_run_directory_alone(tmp_path):
     preempted = json.loads((run_dir / "summary.json").read_text())
     assert preempted["global_step"] == 4
 
-    resumed = subprocess.run([sys.executable, "-m", "posttrain.train", f"resume={run_dir}"],
-                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    resumed = run_command([sys.executable, "-m", "posttrain.train", f"resume={run_dir}"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert list((tmp_path / "sft" / "runs").iterdir()) == [run_dir]  # no second run directory
     summary = json.loads((run_dir / "summary.json").read_text())

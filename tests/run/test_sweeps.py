@@ -26,6 +26,7 @@ from posttrain.conf import CONFIG_DIR
 from posttrain.prepare.cache import NOT_IN_SFT, cache_lock
 from posttrain.prepare.warm_start import warm_start_plan
 
+from forked_cli import run_command
 from conftest import FAST_RUN, compose_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,8 +92,8 @@ def test_a_command_line_axis_replaces_the_files():
 
 def posttrain(*arguments: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "posttrain.train", *arguments], capture_output=True, text=True,
-                          timeout=600, cwd=cwd, env=env)
+    return run_command([sys.executable, "-m", "posttrain.train", *arguments], capture_output=True, text=True,
+                       timeout=600, cwd=cwd, env=env)
 
 
 # A tiny warm start and budget: the grid's machinery, not its learning
