@@ -19,8 +19,9 @@ from posttrain.conf import CONFIG_DIR
 
 def threads_per_test_process() -> int:
     """Torch threads per test process: the cores shared among the xdist workers. More threads
-    than cores make OpenMP's waiting threads spin against each other: one test took 18x its time
-    alone when two workers of 2 threads shared 2 cores. POSTTRAIN_TEST_THREADS overrides."""
+    than cores make OpenMP's waiting threads spin against each other: the SFT learning test,
+    72 s alone, took 1296 s in a full run of two 2-thread workers on 2 cores (with other load on
+    the machine). POSTTRAIN_TEST_THREADS overrides."""
     if "POSTTRAIN_TEST_THREADS" in os.environ:
         return int(os.environ["POSTTRAIN_TEST_THREADS"])
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -29,8 +30,9 @@ def threads_per_test_process() -> int:
 
 # the runs these tests start in this process (num_threads: null) and in subprocesses (which
 # read OMP_NUM_THREADS) keep to this process's share of the cores
-os.environ["OMP_NUM_THREADS"] = str(threads_per_test_process())
-torch.set_num_threads(threads_per_test_process())
+TEST_THREADS = threads_per_test_process()
+os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
+torch.set_num_threads(TEST_THREADS)
 
 
 def compose_config(overrides: list[str], output_dir: Path | None = None):

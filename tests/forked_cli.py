@@ -4,7 +4,7 @@ already imported what posttrain imports.
 
 Starting `python -m posttrain.train` spends about 11 s of CPU importing torch, Lightning
 (which imports torchmetrics, scipy and matplotlib) and transformers before it reads its first
-override. The suite starts that command over a hundred times, so each test process keeps one
+override. The suite starts such commands dozens of times, so each test process keeps one
 server (this file, run as a script) that imports those libraries once and forks a child per
 command. The child is a process of its own, as a console script's would be: its own pid,
 arguments, environment, working directory, file descriptors 1 and 2 (to files the caller
@@ -20,8 +20,10 @@ its first one (GNU OpenMP keeps no threads across fork): the server only imports
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -130,7 +132,6 @@ def _child(request: dict) -> None:
             import torch
 
             torch.set_num_threads(int(threads))
-        import runpy
 
         module = importlib.util.find_spec(request["module"])
         sys.argv = [module.origin, *request["arguments"]]
