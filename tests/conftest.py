@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
+from forked_cli import PRELOADED, free_port  # noqa: F401 - free_port: for the test files
 from posttrain.conf import CONFIG_DIR
 
 
@@ -169,16 +170,21 @@ def make_reward_model_dir(directory: Path, tokenizer, seed: int, context: int = 
     return directory
 
 
-# how a job of WORLD ranks on this machine is launched (`torchrun --standalone`): the command
-# before `-m posttrain.train <overrides>`; torchrun picks a free port itself
-# 2 ranks on CPU (gloo): `*TORCHRUN, "-m", "posttrain.train", <overrides>`; torchrun picks a free port itself
+# how a job of 2 ranks on this machine is launched (`torchrun --standalone`, gloo on CPU): the
+# command before `-m posttrain.train <overrides>`; torchrun picks a free port itself
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 
+# how tests start the ranks of a job as processes of their own: forked from one server per test
+# process that imported torch, Lightning and transformers once, instead of "spawn", whose every
+# rank spends about 11 s of CPU importing them again. The server only imports (see
+# tests/forked_cli.py: a parallel OpenMP region before a fork would hang the child).
+RANKS_START_METHOD = "forkserver"
+multiprocessing.set_forkserver_preload(list(PRELOADED))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def run_ranks(worker, *args, world: int = 2) -> None:
+    """``worker(rank, *args)`` in ``world`` processes of their own; raises what a rank raised."""
+    torch.multiprocessing.start_processes(worker, args=args, nprocs=world, join=True, start_method=RANKS_START_METHOD)
 
 
 def restores_after_fit_start():

@@ -79,8 +79,11 @@ def with_budget(arguments: list[str], log_dir: Path, model_dir: Path) -> list[st
     if arguments[0] == "posttrain-eval":
         return arguments + ["eval.num_prompts=8", "eval.batch_size=8", "num_samples=2", "pass_k=[1,2]",
                             f"paths.log_dir={log_dir}"]
-    if arguments[:2] == ["python", "benchmarks/vs_trl.py"]:  # one short repeat, on a random tiny model
-        return arguments + ["--repeats", "1", "--steps", "1", "--warmup", "1", "--seconds", "2", "--seeds", "0",
+    if arguments[:2] == ["python", "benchmarks/vs_trl.py"]:
+        # one short repeat with one KL setting, on a random tiny model (test_vs_trl_smoke runs each
+        # worker at each KL setting)
+        return arguments + ["--kl", "k3", "--repeats", "1", "--steps", "1", "--warmup", "1", "--seconds", "2",
+                            "--seeds", "0",
                             "--eval-every", "2", "--threads", "1", "--model", str(model_dir),
                             "--out", str(log_dir / "vs_trl")]
     if arguments[0] in ("python", "posttrain-report"):  # benchmarks/ scripts and the report take their own arguments

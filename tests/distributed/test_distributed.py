@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from posttrain.algorithms.experience import Experience
@@ -20,7 +19,7 @@ from posttrain.distributed.collectives import average_gradients
 from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.train import build_module
 
-from conftest import TORCHRUN, free_port, rl_config
+from conftest import TORCHRUN, free_port, rl_config, run_ranks
 
 WORLD = 2
 
@@ -61,7 +60,7 @@ def test_two_ranks_draw_disjoint_prompts_and_average_to_the_union_gradient(make_
     cfg = rl_config(make_config, sft_start, "algorithm=grpo")  # k3 KL as a loss, seq-mean-token-mean
     OmegaConf.resolve(cfg)
     cfg_dict = OmegaConf.to_container(cfg)
-    mp.spawn(rank_update, args=(free_port(), cfg_dict, str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(rank_update, free_port(), cfg_dict, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     single, tokenizer = build(cfg_dict)
@@ -108,7 +107,7 @@ def test_two_sft_ranks_average_to_the_global_token_mean_gradient(make_config, tm
     examples = [single.source.example("train", i) for i in range(8)]
     batches = [collate_sft(examples[:3], tokenizer), collate_sft(examples[3:], tokenizer)]  # unequal sizes
     assert (batches[0]["labels"] != -100).sum() != (batches[1]["labels"] != -100).sum()
-    mp.spawn(sft_rank_gradients, args=(free_port(), cfg_dict, batches, str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(sft_rank_gradients, free_port(), cfg_dict, batches, str(tmp_path))
     grads = [torch.load(tmp_path / f"sft_rank{r}.pt") for r in range(WORLD)]
 
     single.log = lambda *args, **kwargs: None

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401 - torch.distributed.checkpoint.FileSystemReader below
-import torch.multiprocessing as mp
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -27,8 +26,7 @@ from posttrain.run.callbacks import build_callbacks
 from posttrain.train import build_module
 from posttrain.files import save_pretrained_atomic
 
-from conftest import EASY_TASK, FAST_RUN, compose_config
-from conftest import TORCHRUN, free_port
+from conftest import EASY_TASK, FAST_RUN, TORCHRUN, compose_config, free_port, run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -114,8 +112,7 @@ def fit_worker(rank, world, port, cfg_dict, out_dir, ckpt_path):
 
 def spawn_fit(cfg, out_dir, world=WORLD, ckpt_path=None) -> list[dict]:
     OmegaConf.resolve(cfg)
-    mp.spawn(fit_worker, args=(world, free_port(), OmegaConf.to_container(cfg), out_dir, ckpt_path), nprocs=world,
-             join=True)
+    run_ranks(fit_worker, world, free_port(), OmegaConf.to_container(cfg), out_dir, ckpt_path, world=world)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -359,7 +356,7 @@ def test_mixed_precision_keeps_fp32_master_weights_and_small_updates(tmp_path):
     the reduced gradients are fp32, so an AdamW step of 1e-5 changes (nearly) every weight
     where pure-bf16 weights would round most of it away. Frozen roles in replicate_bf16 are
     whole bf16 copies; activation checkpointing gives the same gradients."""
-    mp.spawn(mixed_precision_worker, args=(free_port(), tmp_path), nprocs=WORLD, join=True)
+    run_ranks(mixed_precision_worker, free_port(), tmp_path)
     result = torch.load(tmp_path / "mp0.pt", weights_only=False)
     plain, checkpointed = result[False], result[True]
     assert plain["logits_dtype"] == torch.bfloat16

@@ -16,7 +16,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from torch.distributed.tensor import DTensor
 
@@ -25,7 +24,7 @@ from posttrain.distributed.sharding import ShardingPolicy, shard_lm
 from posttrain.models.forward import sequence_logprobs
 from posttrain.models.grouped_forward import grouped_forward_unsupported_reason
 
-from conftest import free_port
+from conftest import free_port, run_ranks
 
 WORLD = 2
 VARIANTS = ("grouped", "grouped_checkpointed", "model_forward")
@@ -117,7 +116,7 @@ def worker(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fsdp_scoring")
-    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    run_ranks(worker, free_port(), str(out_dir))
     return {variant: [torch.load(out_dir / f"{variant}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
             for variant in VARIANTS}
 

@@ -13,12 +13,11 @@ import os
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from posttrain.algorithms.experience import Experience
 
-from conftest import EASY_TASK, FAST_RUN, compose_config, free_port, restores_after_fit_start
+from conftest import EASY_TASK, FAST_RUN, compose_config, free_port, restores_after_fit_start, run_ranks
 from test_fsdp import SMALL_MODEL, build_run
 
 WORLD = 2
@@ -83,8 +82,7 @@ def decisions_worker(rank, port, cfg_dict, out_dir):
 
 def test_controllers_schedules_and_whitening_read_the_whole_batch(tmp_path):
     cfg = decisions_config(tmp_path)
-    mp.spawn(decisions_worker, args=(free_port(), OmegaConf.to_container(cfg), str(tmp_path)), nprocs=WORLD,
-             join=True)
+    run_ranks(decisions_worker, free_port(), OmegaConf.to_container(cfg), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     # the difficulty schedule: the pre-filter accuracy of every rank's first round (0.5), under

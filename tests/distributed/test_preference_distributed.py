@@ -11,13 +11,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from posttrain.data.sources import ArithmeticSource
 
-from conftest import EASY_TASK, FAST_RUN, compose_config
-from conftest import free_port
+from conftest import EASY_TASK, FAST_RUN, compose_config, free_port, run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -115,8 +113,7 @@ DDP = ("trainer=ddp", "trainer.strategy._target_=posttrain.distributed.sharding.
 def two_process_run(out, algorithm, *trainer) -> list[dict]:
     pairs_file = write_pairs(out / "pairs.jsonl")
     cfgs = [preference_config(out / f"rank{r}", pairs_file, algorithm, PAIRS_PER_RANK, *trainer) for r in range(WORLD)]
-    mp.spawn(run_worker, args=(WORLD, free_port(), [OmegaConf.to_container(c) for c in cfgs], str(out)),
-             nprocs=WORLD, join=True)
+    run_ranks(run_worker, WORLD, free_port(), [OmegaConf.to_container(c) for c in cfgs], str(out))
     return [torch.load(out / f"record{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -7,11 +7,9 @@ by exactly one rank, also when their count is odd; only rank 0 writes files."""
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from conftest import FAST_RUN, compose_config
-from conftest import free_port
+from conftest import FAST_RUN, compose_config, free_port, run_ranks
 from test_preference_distributed import (DDP, LR, PAIRS_PER_RANK, SMALL_MODEL, STEPS, WORLD, run_as_rank,
                                          check_disjoint_halves_of_the_global_batches, check_only_rank_0_wrote,
                                          check_same_weights)
@@ -104,7 +102,7 @@ def prm_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("prm")
     start = sft_start(tmp_path_factory.mktemp("sft"))
     cfgs = [OmegaConf.to_container(prm_config(out / f"rank{r}", start, ROWS_PER_RANK, *DDP)) for r in range(WORLD)]
-    mp.spawn(run_worker, args=(WORLD, free_port(), cfgs, str(out)), nprocs=WORLD, join=True)
+    run_ranks(run_worker, WORLD, free_port(), cfgs, str(out))
     ranks = [torch.load(out / f"record{r}.pt", weights_only=False) for r in range(WORLD)]
 
     from posttrain.train import run

@@ -29,7 +29,7 @@ from posttrain.distributed.collectives import rank_and_world
 from posttrain.distributed.sharding import full_state_dict
 from posttrain.train import run
 
-from conftest import EASY_TASK, FAST_RUN, compose_config, free_port
+from conftest import EASY_TASK, FAST_RUN, RANKS_START_METHOD, compose_config, free_port
 from test_fsdp import SMALL_MODEL, build_run, digit_share, grpo_config
 from test_preference_distributed import DDP, VALIDATION_PAIRS, preference_config, write_pairs
 from test_prm_distributed import VALIDATION_PROMPTS, prm_config
@@ -181,7 +181,7 @@ def run_cases(cases, out_dir) -> dict:
     """Each case's per-rank records, or a line saying why there are none (it hung, it failed,
     or an earlier case stopped the job). A case that outlives CASE_TIMEOUT_S ends the job."""
     context = mp.start_processes(cases_worker, args=(free_port(), cases, out_dir), nprocs=WORLD, join=False,
-                                 start_method="spawn")
+                                 start_method=RANKS_START_METHOD)
     started: dict[str, float] = {}
     outcome: dict = {}
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_cli import ForkedJob, ForkedProcess, start_command
 
 from posttrain.run.checkpoints import checkpoint_step as library_checkpoint_step
 from posttrain.run.checkpoints import newest_intact_checkpoint, resolve_ckpt_path
@@ -30,11 +31,11 @@ RUN = ["logger=csv", "callbacks.progress_bar=none", "algorithm=grpo", "data_curr
 
 
 def start(run_dir: Path, sft_start: Path, *extra: str,
-          launcher: tuple[str, ...] = (sys.executable,)) -> subprocess.Popen:
-    """`posttrain` with RUN's overrides, as one process or under `launcher` (test_distributed.TORCHRUN)."""
+          launcher: tuple[str, ...] = (sys.executable,)) -> subprocess.Popen | ForkedProcess:
+    """`posttrain` with RUN's overrides, as one process or under `launcher` (conftest.TORCHRUN)."""
     command = [*launcher, "-m", "posttrain.train", *RUN, f"model.init_from={sft_start}",
                f"hydra.run.dir={run_dir}", f"paths.log_dir={run_dir.parent}", *extra]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_command(command)
 
 
 def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
@@ -127,12 +128,16 @@ def test_kill_9_mid_run_then_resume_logs_what_the_uninterrupted_run_logged(strai
 TWO_RANK_STEPS = 8
 
 
-def kill_job(process: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every rank at once, as a node failure or `scancel -s KILL` would
-    (torchrun starts each rank in a session of its own: killing its process group is not enough)."""
-    for pid in [*descendants(process.pid), process.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+def kill_job(process: subprocess.Popen | ForkedJob) -> None:
+    """SIGKILL every rank (and a real torchrun's launcher) at once, as a node failure or
+    `scancel -s KILL` would (torchrun starts each rank in a session of its own: killing its
+    process group is not enough)."""
+    if isinstance(process, ForkedJob):
+        process.kill()
+    else:
+        for pid in [*descendants(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     process.wait()
 
 
@@ -295,7 +300,7 @@ def submitit_tasks(pid: int) -> list[int]:
     return tasks
 
 
-def submitit_sweep(tmp_path: Path, sft_start: Path, *extra: str) -> subprocess.Popen:
+def submitit_sweep(tmp_path: Path, sft_start: Path, *extra: str) -> subprocess.Popen | ForkedProcess:
     """`posttrain -m hydra/launcher=submitit_local_tasks ...`: the SLURM launch path without SLURM
     (tasks_per_node = trainer.devices, ranks from submitit's environment, never from Lightning)."""
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
@@ -304,7 +309,7 @@ def submitit_sweep(tmp_path: Path, sft_start: Path, *extra: str) -> subprocess.P
                "data.min_digits=2", "data.max_digits=2", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
                "eval.at_start=false", "eval.num_prompts=16", "eval.batch_size=16", "trainer.val_check_interval=4",
                "callbacks.checkpoint.every_n_train_steps=4", "num_threads=1", f"paths.log_dir={tmp_path}", *extra]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return start_command(command, env=env)
 
 
 def test_submitit_job_of_two_tasks_trains_as_two_ranks(sft_start, tmp_path):
