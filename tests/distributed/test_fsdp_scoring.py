@@ -6,9 +6,10 @@ LM-head scoring as one of the model's, also with activation checkpointing (each 
 recomputed in the backward, under the weights that the backward gathered). A model that the
 grouped forward refuses (Qwen3) takes its own forward (SDPA attention), with its LM
 head replaced by the chunked scorer inside the model's forward (where FSDP2 has gathered the
-head). On every path the log-probs, entropies and gradients are those of one process on the
-whole weights, for a trainable policy and for a frozen scorer (the reference), with uneven
-data on the two ranks (batch size, response lengths)."""
+head). On every path the log-probs, entropies, full-vocabulary logits (`distill.mode=full`) and
+gradients are those of one process on the whole weights, for a trainable policy and for a
+frozen scorer (the reference), with uneven data on the two ranks (batch size, response
+lengths)."""
 
 import copy
 import os
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import posttrain.models.grouped_forward as grouped
 from posttrain.distributed.sharding import ShardingPolicy, shard_lm
-from posttrain.models.forward import sequence_logprobs
+from posttrain.models.forward import sequence_logits, sequence_logprobs
 from posttrain.models.grouped_forward import grouped_forward_unsupported_reason
 
 from conftest import free_port, run_ranks
@@ -67,6 +68,12 @@ def scores_and_grads(model, batch):
     return logp.detach(), entropy.detach()
 
 
+def full_logits_and_grads(model, batch):
+    logits = sequence_logits(model, *batch)
+    (logits.log_softmax(-1)[..., :7].sum(-1) * batch[3]).sum().backward()  # a loss over part of the vocabulary
+    return logits.detach()
+
+
 def spy_on_the_grouped_forward():
     """Records each grouped forward's (group size, checkpointed) and, for each decoder-layer
     step, (layer index, its weights whole, every other layer's sharded)."""
@@ -108,6 +115,10 @@ def worker(rank, port, out_dir):
             with torch.no_grad():
                 result["ref_logp"] = sequence_logprobs(reference, *batch, temperature=TEMPERATURE)[0]
             result["forwards"], result["steps"] = list(seen["forwards"]), list(seen["steps"])
+            # the full-vocabulary logits (distill.mode=full, PPO-ptx), and the gradients through them
+            policy.zero_grad(set_to_none=True)
+            result["logits"] = full_logits_and_grads(policy, batch)
+            result["logit_grads"] = {name: p.grad.full_tensor() for name, p in policy.named_parameters()}
             torch.save(result, f"{out_dir}/{variant}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -140,6 +151,25 @@ def test_sharded_scoring_gives_the_one_process_logprobs_and_gradients(sharded_re
         assert expected.abs().sum() > 0, name
         torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=name)
         torch.testing.assert_close(ranks[1]["grads"][name], grad)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sharded_full_logits_are_the_one_process_logits_and_gradients(sharded_results, variant):
+    ranks = sharded_results[variant]
+    model = small_model(variant)
+    grads = []
+    for rank, result in enumerate(ranks):
+        one = copy.deepcopy(model)
+        batch = rank_batch(rank)
+        logits = full_logits_and_grads(one, batch)  # whole weights, no checkpointing
+        real = batch[3].bool()
+        assert result["logits"].shape == logits.shape == (*batch[3].shape, model.config.vocab_size)
+        torch.testing.assert_close(result["logits"][real], logits[real], atol=1e-5, rtol=1e-5)
+        grads.append({name: p.grad for name, p in one.named_parameters()})
+    for name, grad in ranks[0]["logit_grads"].items():
+        expected = (grads[0][name] + grads[1][name]) / WORLD
+        assert expected.abs().sum() > 0, name
+        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
