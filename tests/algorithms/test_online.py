@@ -176,3 +176,27 @@ def test_stand_in_micro_batches_add_nothing_to_the_gradient(make_config, monkeyp
         torch.testing.assert_close(h, g, rtol=0, atol=0)
     _, empty = gradients(exp.select(torch.zeros(0, dtype=torch.long)), stand_in=exp.select(torch.tensor([0])))
     assert all(g is not None and not g.any() for g in empty)
+
+
+def test_under_bf16_mixed_an_online_step_clips_with_the_fused_adamw(make_config, sft_start, monkeypatch):
+    """Lightning's own clip refuses a fused AdamW under any mixed precision: the GPU preset
+    (trainer=default, bf16-mixed) stopped at its first step. bf16 has no loss scaler, so the
+    step clips the true gradients itself, by the norm it logs."""
+    from conftest import rl_config
+    from posttrain.train import run
+
+    # an entropy bonus: a gradient also where every group's rewards are equal
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "trainer.precision=bf16-mixed",
+                    "algorithm.max_grad_norm=1e-4", "algorithm.entropy_coef=0.01")
+    clip, norms = torch.nn.utils.clip_grads_with_norm_, []
+
+    def recording(parameters, max_norm, total_norm, *args, **kwargs):
+        parameters = list(parameters)
+        clip(parameters, max_norm, total_norm, *args, **kwargs)
+        norms.append((float(total_norm), float(torch.nn.utils.get_total_norm([p.grad for p in parameters]))))
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", recording)
+    summary = run(cfg)
+    assert summary["global_step"] == 2 and len(norms) == 2
+    for before, after in norms:
+        assert before > 1e-4 and after == pytest.approx(1e-4, rel=1e-3)

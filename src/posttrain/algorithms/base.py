@@ -160,6 +160,17 @@ class PosttrainModule(L.LightningModule):
         bf16-mixed gradients are true gradients when they reach the optimiser."""
         return getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
 
+    def clip_by_norm(self, optimizer, parameters, max_norm: float, norm) -> None:
+        """Scale the gradients of `parameters` to a total norm of at most `max_norm`, given
+        their total norm `norm`. Under 16-mixed through Lightning, which unscales them first;
+        otherwise (fp32, bf16-mixed: true gradients) by the norm already taken. Lightning's own
+        clip refuses a fused AdamW under any mixed precision, bf16 included, though only a
+        scaler (which bf16 has none of) makes that unsafe."""
+        if self.loss_scaler() is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+        else:
+            torch.nn.utils.clip_grads_with_norm_([p for p in parameters if p.grad is not None], max_norm, norm)
+
     def training_precision(self):
         """The context of the training forwards (Lightning's precision: bf16 autocast under
         trainer.precision=bf16-mixed), for a forward outside a training step that must match
@@ -331,15 +342,8 @@ class OfflineModule(PosttrainModule):
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in parameters]) if parameters else torch.zeros(())
         self.last_grad_norm = float(norm)
-        if not self.max_grad_norm:
-            return
-        if self.loss_scaler() is not None:  # 16-mixed: Lightning unscales first, then clips
-            self.clip_gradients(optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm")
-        elif parameters:
-            # true gradients (fp32, bf16-mixed): clip by the norm just taken. Lightning's own clip
-            # refuses a fused AdamW under any mixed precision, bf16 included, though only a scaler
-            # (which bf16 has none of) makes that unsafe.
-            torch.nn.utils.clip_grads_with_norm_(parameters, self.max_grad_norm, norm)
+        if self.max_grad_norm:
+            self.clip_by_norm(optimizer, parameters, self.max_grad_norm, norm)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.log("train/grad_norm", self.last_grad_norm)

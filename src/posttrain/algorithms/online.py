@@ -665,18 +665,19 @@ class OnlineRLModule(PosttrainModule):
 
     def optimiser_step(self, optimizer, parameters, max_norm, count_step: bool) -> float:
         """Average gradients over ranks, skip (and count) a step whose gradient norm is not
-        finite, clip through Lightning, step, advance the schedule. `count_step`: the policy's
+        finite, clip (`clip_by_norm`), step, advance the schedule. `count_step`: the policy's
         steps are Lightning's global step; the critic's are not."""
         parameters = list(parameters)
         average_gradients(parameters)
         grads = [p.grad for p in parameters if p.grad is not None]
-        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        if not torch.isfinite(torch.tensor(norm)):
+        total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = float(total)
+        if not math.isfinite(norm):
             optimizer.zero_grad()
             self.nonfinite_steps += 1
             return norm
         if max_norm:
-            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+            self.clip_by_norm(optimizer, parameters, max_norm, total)
         schedules = self.lr_schedulers()
         schedules = schedules if isinstance(schedules, list) else [schedules]
         if count_step:
