@@ -321,8 +321,11 @@ def softmax_last(x: torch.Tensor) -> torch.Tensor:
 def rotation(w: DecoderWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """e^{i theta p} per (position, rotary pair) [..., D/2], from HF's own rotary module, so
     every static RoPE variant (theta, llama3, yarn, attention scaling) matches.  HF's cos/sin
-    repeat their first half: one angle per ``rotate_half`` pair."""
-    cos, sin = w.rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
+    repeat their first half: one angle per ``rotate_half`` pair. The module is given
+    ``[1, positions]``, the [batch, sequence] shape of every transformers version's rotary
+    modules (before 5.24 some index a second dimension)."""
+    cos, sin = w.rotary(torch.empty(0, dtype=dtype, device=positions.device), positions.reshape(1, -1))
+    cos, sin = (t.reshape(*positions.shape, t.shape[-1]) for t in (cos, sin))
     half = cos.shape[-1] // 2  # unsupported_reason checked that the halves repeat
     real = torch.float64 if dtype == torch.float64 else torch.float32
     return torch.complex(cos[..., :half].to(real), sin[..., :half].to(real))
