@@ -132,44 +132,49 @@ def sharded_results(tmp_path_factory):
             for variant in VARIANTS}
 
 
+def on_one_process(variant, compute) -> list[tuple]:
+    """For each rank's batch, `compute(model, batch)` on a fresh copy of the whole model (no
+    sharding, no checkpointing): (its output, the batch, the gradients it left) per rank."""
+    model = small_model(variant)
+    per_rank = []
+    for rank in range(WORLD):
+        one, batch = copy.deepcopy(model), rank_batch(rank)
+        output = compute(one, batch)
+        per_rank.append((output, batch, {name: p.grad for name, p in one.named_parameters()}))
+    return per_rank
+
+
+def assert_the_rank_average(sharded_grads: dict, per_rank: list[tuple]) -> None:
+    """FSDP2's reduce-scatter averages the ranks' gradients."""
+    for name, grad in sharded_grads.items():
+        expected = sum(grads[name] for _, _, grads in per_rank) / WORLD
+        assert expected.abs().sum() > 0, name
+        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sharded_scoring_gives_the_one_process_logprobs_and_gradients(sharded_results, variant):
     ranks = sharded_results[variant]
-    model = small_model(variant)
-    grads = []
-    for rank, result in enumerate(ranks):
-        one = copy.deepcopy(model)
-        batch = rank_batch(rank)
-        logp, entropy = scores_and_grads(one, batch)  # whole weights, no checkpointing
+    per_rank = on_one_process(variant, scores_and_grads)
+    for result, ((logp, entropy), batch, _) in zip(ranks, per_rank):
         real = batch[3].bool()
         torch.testing.assert_close(result["logp"][real], logp[real], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(result["entropy"][real], entropy[real], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(result["ref_logp"][real], logp[real], atol=1e-5, rtol=1e-5)
-        grads.append({name: p.grad for name, p in one.named_parameters()})
+    assert_the_rank_average(ranks[0]["grads"], per_rank)
     for name, grad in ranks[0]["grads"].items():
-        expected = (grads[0][name] + grads[1][name]) / WORLD
-        assert expected.abs().sum() > 0, name
-        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=name)
         torch.testing.assert_close(ranks[1]["grads"][name], grad)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sharded_full_logits_are_the_one_process_logits_and_gradients(sharded_results, variant):
     ranks = sharded_results[variant]
-    model = small_model(variant)
-    grads = []
-    for rank, result in enumerate(ranks):
-        one = copy.deepcopy(model)
-        batch = rank_batch(rank)
-        logits = full_logits_and_grads(one, batch)  # whole weights, no checkpointing
+    per_rank = on_one_process(variant, full_logits_and_grads)
+    for result, (logits, batch, _) in zip(ranks, per_rank):
         real = batch[3].bool()
-        assert result["logits"].shape == logits.shape == (*batch[3].shape, model.config.vocab_size)
+        assert result["logits"].shape == logits.shape == (*batch[3].shape, small_model(variant).config.vocab_size)
         torch.testing.assert_close(result["logits"][real], logits[real], atol=1e-5, rtol=1e-5)
-        grads.append({name: p.grad for name, p in one.named_parameters()})
-    for name, grad in ranks[0]["logit_grads"].items():
-        expected = (grads[0][name] + grads[1][name]) / WORLD
-        assert expected.abs().sum() > 0, name
-        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=name)
+    assert_the_rank_average(ranks[0]["logit_grads"], per_rank)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
