@@ -1,7 +1,8 @@
 """`run_command` and `start_command`: `subprocess.run(command, capture_output=True, text=True)`
 and `subprocess.Popen(command, stdout=PIPE, stderr=STDOUT, text=True)` for the tests, where a
-`python -m posttrain...` command, alone or under `torchrun`, runs in processes forked from a
-server that has already imported what posttrain imports.
+`python -m posttrain...` command, alone or under `torchrun`, or a `python <script>.py` command
+(the benchmarks' workers), runs in processes forked from a server that has already imported
+what posttrain imports.
 
 Starting `python -m posttrain.train` spends about 11 s of CPU importing torch, Lightning
 (which imports torchmetrics, scipy and matplotlib) and transformers before it reads its first
@@ -51,12 +52,15 @@ ALLOWED_TO_DIFFER = ("PYTHONPATH",)  # the child puts its entries at the front o
 
 
 def forked_module(command: list[str]) -> tuple[int | None, tuple[str, list[str]] | None]:
-    """(ranks, (entry module, its arguments)) if ``command`` is ``python [-u] -m <a FORKED_MODULES
-    entry> ...`` (ranks None) or that module under ``python -m torch.distributed.run --standalone
-    --nproc_per_node=N`` (conftest.TORCHRUN); (None, None) for any other command."""
+    """(ranks, (what to run, its arguments)) if ``command`` is ``python [-u] -m <a FORKED_MODULES
+    entry> ...`` or ``python [-u] <a script>.py ...`` (ranks None), or such a module under
+    ``python -m torch.distributed.run --standalone --nproc_per_node=N`` (conftest.TORCHRUN);
+    (None, None) for any other command. A script is named by its path."""
     if not command or command[0] != sys.executable:
         return None, None
     rest = command[2:] if command[1:2] == ["-u"] else command[1:]  # -u: the child flushes at exit anyway
+    if rest and rest[0].endswith(".py") and Path(rest[0]).is_file():
+        return None, (str(Path(rest[0]).resolve()), rest[1:])
     world = None
     if rest[:3] == ["-m", "torch.distributed.run", "--standalone"] and rest[3:4] and \
             rest[3].startswith("--nproc_per_node="):
@@ -258,10 +262,14 @@ def _child(request: dict) -> None:
 
             torch.set_num_threads(int(threads))
 
-        module = importlib.util.find_spec(request["module"])
-        sys.argv = [module.origin, *request["arguments"]]
+        target = request["module"]
         try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            if target.endswith(".py"):  # `python script.py`: its folder first on the path
+                sys.argv, sys.path[0] = [target, *request["arguments"]], os.path.dirname(target)
+                runpy.run_path(target, run_name="__main__")
+            else:
+                sys.argv = [importlib.util.find_spec(target).origin, *request["arguments"]]
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as stop:
             if stop.code is None or isinstance(stop.code, int):

@@ -3,19 +3,20 @@
 
 Behaviour only, on a tiny chat model in the real on-disk format (tests/hf_models.py): the
 benchmarks' real model, SmolLM2-135M-Instruct, is measured by hand (benchmarks/README.md).
-The vs_trl workers run in subprocesses, as the benchmark runs them (the posttrain worker
-patches OnlineRLModule's methods and, with --ignore-eos, the stop ids).
+The vs_trl workers run in processes of their own (forked, tests/forked_cli.py), as the
+benchmark runs them (the posttrain worker patches OnlineRLModule's methods and, with
+--ignore-eos, the stop ids).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import load_benchmark
+from forked_cli import run_command
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_trl.py"
 PROMPTS, GROUP, NEW_TOKENS = 2, 2, 4
@@ -36,7 +37,7 @@ def run_worker(framework: str, model_dir: Path, json_path: Path, *extra: str) ->
                "--task", "word_problems", "--prompts", str(PROMPTS), "--group-size", str(GROUP),
                "--max-new-tokens", str(NEW_TOKENS), "--steps", "2", "--warmup", "0", "--threads", "1",
                "--json", str(json_path), *extra]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    finished = run_command(command, timeout=300)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     return json.loads(json_path.read_text())
 

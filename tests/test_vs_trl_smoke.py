@@ -1,20 +1,21 @@
 """benchmarks/vs_trl.py: its workers run and report every measurement; its summaries are right.
 
 Behaviour only: speed is measured by the benchmark itself, never asserted in tests. The
-workers run in subprocesses, as the benchmark runs them (the posttrain worker patches
-OnlineRLModule's methods for timing, which must not leak into other tests).
+workers run in processes of their own (forked, tests/forked_cli.py), as the benchmark runs
+them (the posttrain worker patches OnlineRLModule's methods for timing, which must not leak
+into other tests).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import load_benchmark
+from forked_cli import run_command
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_trl.py"
 
@@ -27,7 +28,7 @@ def vs_trl():
 def run_worker(framework: str, kl: str, model_dir: Path, json_path: Path) -> dict:
     command = [sys.executable, str(BENCHMARK), "step", "--worker", framework, "--kl", kl, "--model", str(model_dir),
                "--steps", "3", "--warmup", "1", "--threads", "1", "--json", str(json_path)]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    finished = run_command(command, timeout=300)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     return json.loads(json_path.read_text())
 
