@@ -451,3 +451,24 @@ def test_the_training_forward_never_allocates_the_full_logits(monkeypatch):
         logits_sized = [s for s in seen.shapes if s and s[-1] == vocab and s != (32, vocab)]
         assert logits_sized, "the chunks' logits are seen"
         assert max(math.prod(s) for s in logits_sized) <= chunk * vocab < batch_tokens * vocab
+
+
+def test_the_rotary_module_gets_batch_by_sequence_positions(monkeypatch):
+    """transformers 5.17's Llama and Qwen2 rotary modules index `position_ids[:, None, :]`: the
+    grouped forward (and the sampler, which shares `functional.rotation`) gives them 2-D
+    positions, as every transformers version takes them. Seen on a GPU machine with 5.17."""
+    model = MODELS["llama"]()
+    rotary = model.model.rotary_emb
+    forward = type(rotary).forward
+
+    def indexes_a_second_dimension(self, x, position_ids, *args, **kwargs):
+        assert position_ids.dim() == 2, position_ids.shape
+        return forward(self, x, position_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(rotary), "forward", indexes_a_second_dimension)
+    batch = _batch(model.config.vocab_size, 3)
+    with torch.no_grad():
+        expected = _hf_logits(model, *batch)
+        got = grouped_logits(model, *batch, 3)
+    real = batch[3].bool()
+    assert torch.allclose(got[real], expected[real], atol=1e-5, rtol=1e-5)
