@@ -190,6 +190,8 @@ def posttrain_overrides(args, output_dir: str, max_steps: int) -> list[str]:
         overrides.append("kl_estimator=none")
     if getattr(args, "gradient_checkpointing", False):
         overrides.append("model.gradient_checkpointing=true")
+    if getattr(args, "micro_batch_size", None) is not None:
+        overrides.append(f"algorithm.micro_batch_size={args.micro_batch_size}")
     if args.device == "cuda":
         overrides += ["trainer=fsdp", "trainer.accelerator=gpu", "trainer.devices=1",
                       "trainer.strategy.param_dtype=bfloat16", f"rollout={args.rollout}"]
@@ -203,16 +205,19 @@ def peak_rss_mb() -> float:
 
 
 class StepTimer:
-    """Step starts, and the seconds of each named part and the generated tokens within each step."""
+    """Step starts, and the seconds and calls of each named part and the generated tokens within
+    each step."""
 
     def __init__(self):
         self.starts: list[float] = []
         self.parts: list[dict[str, float]] = []
+        self.calls: list[dict[str, int]] = []
         self.tokens: list[int] = []
 
     def start_step(self) -> None:
         self.starts.append(time.perf_counter())
         self.parts.append(dict.fromkeys(PARTS, 0.0))
+        self.calls.append(dict.fromkeys(PARTS, 0))
         self.tokens.append(0)
 
     def timed(self, fn, part, count_tokens=None):
@@ -223,7 +228,9 @@ class StepTimer:
             started = time.perf_counter()
             result = fn(*args, **kwargs)
             if self.parts:  # calls before the first step (set-up) belong to no step
-                self.parts[-1][part() if callable(part) else part] += time.perf_counter() - started
+                name = part() if callable(part) else part
+                self.parts[-1][name] += time.perf_counter() - started
+                self.calls[-1][name] += 1
                 if count_tokens is not None:
                     self.tokens[-1] += count_tokens(result)
             return result
@@ -237,7 +244,8 @@ class StepTimer:
         step_s = [self.starts[i + 1] - self.starts[i] for i in steps]
         split_s = {part: [self.parts[i][part] for i in steps] for part in PARTS}
         split_s["overhead"] = [s - sum(self.parts[i][p] for p in PARTS) for s, i in zip(step_s, steps)]
-        return {"step_s": step_s, "split_s": split_s, "tokens": [self.tokens[i] for i in steps]}
+        calls = {part: [self.calls[i][part] for i in steps] for part in PARTS}
+        return {"step_s": step_s, "split_s": split_s, "calls": calls, "tokens": [self.tokens[i] for i in steps]}
 
 
 def wrap_method(cls, name: str, wrap) -> None:
@@ -459,10 +467,14 @@ def trl_worker(args) -> dict:
     on_gpu = args.device == "cuda"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = load_tokenizer(args.model)
+    # one generation of the whole batch and one optimiser step over it; with --micro-batch-size,
+    # TRL's way to the same: that many rows per forward and backward, accumulated
+    rows = grpo.prompts_per_step * grpo.group_size
+    micro = grpo.micro_batch_size or rows
     config = GRPOConfig(
         output_dir=output_dir, seed=args.seed, max_steps=max_steps, use_cpu=not on_gpu, bf16=on_gpu, fp16=False,
-        per_device_train_batch_size=grpo.prompts_per_step * grpo.group_size, num_generations=grpo.group_size,
-        steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro, num_generations=grpo.group_size,
+        steps_per_generation=rows // micro, num_iterations=1, gradient_accumulation_steps=rows // micro,
         max_completion_length=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
         top_k=rollout.top_k, loss_type="grpo", beta=cfg.kl_estimator.coef if args.kl != "none" else 0.0,
         epsilon=grpo.clip_low, epsilon_high=grpo.clip_high, scale_rewards="group",
@@ -661,7 +673,7 @@ def plot_accuracy(curves: dict[str, list[list[dict]]], summary: dict, path: Path
 
 # --- the parent --------------------------------------------------------------------------------
 WORKER_OPTIONS = ("model", "threads", "steps", "warmup", "seconds", "eval_every", "device", "rollout", "task",
-                  "prompts", "group_size", "max_new_tokens", "ignore_eos", "gradient_checkpointing")
+                  "prompts", "group_size", "max_new_tokens", "ignore_eos", "gradient_checkpointing", "micro_batch_size")
 
 
 def run_worker(framework: str, kl: str, mode: str, seed: int, args, out: Path) -> dict:
@@ -765,6 +777,10 @@ def parse_args(argv=None):
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="both frameworks recompute each decoder layer in the backward (posttrain: "
                              "model.gradient_checkpointing=true; TRL: gradient_checkpointing=True)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="rows per forward and backward of the update, accumulated into one optimiser step "
+                             "(posttrain: algorithm.micro_batch_size; TRL: per_device_train_batch_size with "
+                             "gradient_accumulation_steps and steps_per_generation = rows / this)")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -25,9 +25,9 @@ def vs_trl():
     return load_benchmark("vs_trl")
 
 
-def run_worker(framework: str, kl: str, model_dir: Path, json_path: Path) -> dict:
+def run_worker(framework: str, kl: str, model_dir: Path, json_path: Path, *extra: str) -> dict:
     command = [sys.executable, str(BENCHMARK), "step", "--worker", framework, "--kl", kl, "--model", str(model_dir),
-               "--steps", "3", "--warmup", "1", "--threads", "1", "--json", str(json_path)]
+               "--steps", "3", "--warmup", "1", "--threads", "1", "--json", str(json_path), *extra]
     finished = run_command(command, timeout=300)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     return json.loads(json_path.read_text())
@@ -69,6 +69,18 @@ def test_trl_worker_reports_steps_split_and_memory(vs_trl, embedded_hf_model, tm
     check_worker_result(vs_trl, result, "trl", kl)
     if kl == "none":  # on-policy without a reference: TRL runs no forward without gradient
         assert result["split_s"]["logprobs"] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("framework", ["posttrain", "trl"])
+def test_a_micro_batch_size_splits_each_update_into_that_many_rows(vs_trl, embedded_hf_model, tmp_path, framework):
+    pytest.importorskip("trl")
+    whole = run_worker(framework, "none", embedded_hf_model, tmp_path / "whole.json")
+    split = run_worker(framework, "none", embedded_hf_model, tmp_path / "split.json", "--micro-batch-size", "32")
+    rows = whole["rows_per_step"]
+    assert rows == split["rows_per_step"] and rows % 32 == 0 and rows > 32
+    assert whole["calls"]["backward"] == [1, 1, 1]  # one backward per step, over every row
+    assert split["calls"]["backward"] == [rows // 32] * 3  # one per micro-batch, one optimiser step
+    assert split["calls"]["optimiser"] == whole["calls"]["optimiser"]
 
 
 def worker_result(framework: str, kl: str, step_s: list[float], rss: float = 100.0) -> dict:
