@@ -110,12 +110,12 @@ class ForkedProcess:
     command forked from the server: `pid`, `returncode`, `poll`, `wait`, `send_signal`, `kill`
     and `communicate` (stdout and stderr together, read from a file once the process ended)."""
 
-    def __init__(self, module: str, arguments: list[str], env: dict, cwd, *, merged: bool = True):
+    def __init__(self, target: str, arguments: list[str], env: dict, cwd, *, merged: bool = True):
         self.scratch = tempfile.TemporaryDirectory()
         self.stdout = Path(self.scratch.name) / "stdout"
         self.stderr = self.stdout if merged else Path(self.scratch.name) / "stderr"
         self.returncode = None
-        self.pid = SERVER.ask(op="start", module=module, arguments=arguments, env=env, cwd=str(cwd or os.getcwd()),
+        self.pid = SERVER.ask(op="start", target=target, arguments=arguments, env=env, cwd=str(cwd or os.getcwd()),
                               stdout=str(self.stdout), stderr=str(self.stderr))["pid"]
 
     def poll(self) -> int | None:
@@ -153,9 +153,9 @@ class ForkedJob:
     (ranks, world size, a rendezvous address, TORCHELASTIC_RUN_ID), Popen's handle for all of
     them. As torchrun does, it ends the other ranks when one fails and exits 1; `pid` is rank 0's."""
 
-    def __init__(self, world: int, module: str, arguments: list[str], env: dict, cwd):
+    def __init__(self, world: int, target: str, arguments: list[str], env: dict, cwd):
         port, run_id = free_port(), f"forked-{os.getpid()}-{time.monotonic_ns()}"
-        self.ranks = [ForkedProcess(module, arguments, {
+        self.ranks = [ForkedProcess(target, arguments, {
             **env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
             "ROLE_NAME": "default", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "ROLE_WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -198,14 +198,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fork_plan(command: list[str], env: dict | None) -> tuple[int | None, tuple[str, list[str]] | None, dict]:
+    """(ranks, what to run, the child's environment) as `forked_module` gives them, with what to
+    run None where ``command`` must run as a real subprocess: not a forked entry, or an
+    environment that differs from the server's in what the preloaded libraries read at import."""
+    environment = dict(os.environ if env is None else env)
+    world, entry = forked_module(command)
+    if entry is not None and not _same_import_time_environment(environment, SERVER.started().env):
+        entry = None
+    return world, entry, environment
+
+
 def start_command(command: list[str], *, env: dict | None = None, cwd=None) -> subprocess.Popen | ForkedProcess:
     """``subprocess.Popen(command, stdout=PIPE, stderr=STDOUT, text=True, env=env, cwd=cwd)``;
     forked from the server where ``command`` runs a posttrain entry module, alone or under
     `torchrun --standalone --nproc_per_node=N` (see the module docstring)."""
     command = [str(c) for c in command]
-    environment = dict(os.environ if env is None else env)
-    world, entry = forked_module(command)
-    if entry is None or not _same_import_time_environment(environment, SERVER.started().env):
+    world, entry, environment = _fork_plan(command, env)
+    if entry is None:
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 cwd=cwd)
     if world is None:
@@ -220,10 +230,8 @@ def run_command(command: list[str], *, env: dict | None = None, cwd=None, timeou
     if options.pop("capture_output", True) is not True or options.pop("text", True) is not True:
         raise ValueError("run_command always captures the output as text")
     command = [str(c) for c in command]
-    environment = dict(os.environ if env is None else env)
-    world, entry = forked_module(command)
-    if entry is None or world is not None or options or \
-            not _same_import_time_environment(environment, SERVER.started().env):
+    world, entry, environment = _fork_plan(command, env)
+    if entry is None or world is not None or options:
         return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, **options)
     process = ForkedProcess(*entry, environment, cwd, merged=False)
     try:
@@ -262,7 +270,7 @@ def _child(request: dict) -> None:
 
             torch.set_num_threads(int(threads))
 
-        target = request["module"]
+        target = request["target"]  # an entry module, or a script's path
         try:
             if target.endswith(".py"):  # `python script.py`: its folder first on the path
                 sys.argv, sys.path[0] = [target, *request["arguments"]], os.path.dirname(target)
