@@ -372,6 +372,18 @@ def never_sampled_id(model) -> int:
 
 
 # --- the workers -------------------------------------------------------------------------------
+def rows_and_micro_batch(cfg) -> tuple[int, int]:
+    """A step's rows and the rows per forward and backward. Both workers refuse a micro-batch that
+    does not divide the rows: TRL would floor rows / micro and so train on fewer rows than posttrain."""
+    grpo = cfg.algorithm
+    rows = grpo.prompts_per_step * grpo.group_size
+    micro = grpo.micro_batch_size or rows
+    if rows % micro:
+        raise SystemExit(f"--micro-batch-size {micro} must divide the {rows} rows of a step "
+                         f"({grpo.prompts_per_step} prompts x {grpo.group_size} samples)")
+    return rows, micro
+
+
 def posttrain_worker(args) -> dict:
     """`posttrain.train.run` itself, its stages timed by wrapping OnlineRLModule's methods."""
     import lightning  # noqa: F401  (run() imports it: counted in the runtime's RSS after imports)
@@ -387,6 +399,7 @@ def posttrain_worker(args) -> dict:
     max_steps = ACCURACY_STEP_CAP if accuracy else args.warmup + args.steps + 1
     output_dir = args.scratch  # the run directory, removed when the worker ends
     cfg = compose_run_config(posttrain_overrides(args, output_dir, max_steps))
+    rows_and_micro_batch(cfg)
     if getattr(args, "ignore_eos", False):
         # posttrain has no min-new-tokens setting: its engine is handed a stop id no logit can
         # produce (benchmarks/rollout_speed.py --eos never), so every row runs to the limit
@@ -469,8 +482,7 @@ def trl_worker(args) -> dict:
     tokenizer = load_tokenizer(args.model)
     # one generation of the whole batch and one optimiser step over it; with --micro-batch-size,
     # TRL's way to the same: that many rows per forward and backward, accumulated
-    rows = grpo.prompts_per_step * grpo.group_size
-    micro = grpo.micro_batch_size or rows
+    rows, micro = rows_and_micro_batch(cfg)
     config = GRPOConfig(
         output_dir=output_dir, seed=args.seed, max_steps=max_steps, use_cpu=not on_gpu, bf16=on_gpu, fp16=False,
         per_device_train_batch_size=micro, num_generations=grpo.group_size,

@@ -83,6 +83,17 @@ def test_a_micro_batch_size_splits_each_update_into_that_many_rows(vs_trl, embed
     assert split["calls"]["optimiser"] == whole["calls"]["optimiser"]
 
 
+@pytest.mark.parametrize("framework", ["posttrain", "trl"])
+def test_a_micro_batch_size_that_does_not_divide_the_rows_is_refused(embedded_hf_model, tmp_path, framework):
+    pytest.importorskip("trl")
+    command = [sys.executable, str(BENCHMARK), "step", "--worker", framework, "--kl", "none", "--model",
+               str(embedded_hf_model), "--micro-batch-size", "48", "--json", str(tmp_path / "r.json")]
+    finished = run_command(command, timeout=300)
+    assert finished.returncode != 0
+    assert "--micro-batch-size 48 must divide the 128 rows of a step (8 prompts x 16 samples)" in finished.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
 def worker_result(framework: str, kl: str, step_s: list[float], rss: float = 100.0) -> dict:
     split = {part: [0.0] * len(step_s) for part in ("generation", "logprobs", "forward", "backward", "optimiser")}
     split["generation"] = [s / 2 for s in step_s]
