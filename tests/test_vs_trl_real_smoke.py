@@ -69,8 +69,24 @@ def test_word_problem_defaults_are_the_issues_measurement(vs_trl):
     assert (args.prompts, args.group_size, args.max_new_tokens, args.ignore_eos) == (2, 8, 128, False)
     args = vs_trl.parse_args(["step"])  # the arithmetic task keeps grpo_tiny's own settings
     assert (args.task, args.prompts, args.group_size, args.max_new_tokens) == ("arithmetic", None, None, None)
-    with pytest.raises(SystemExit):
-        vs_trl.parse_args(["accuracy", "--task", "word_problems"])
+    args = vs_trl.parse_args(["accuracy", "--task", "word_problems"])  # the preset's own recipe
+    assert (args.prompts, args.group_size, args.max_new_tokens, args.eval_every) == (None, None, None, 5)
+    with pytest.raises(SystemExit):  # the two modes' settings differ
+        vs_trl.parse_args(["all", "--task", "word_problems"])
+
+
+def test_word_problem_accuracy_runs_the_real_model_preset_in_both_frameworks(vs_trl, tmp_path):
+    args = vs_trl.parse_args(["accuracy", "--task", "word_problems", "--kl", "none"])
+    args.model = "/some/hf_dir"
+    overrides = vs_trl.posttrain_overrides(args, str(tmp_path), max_steps=3)
+    assert "experiment=grpo_smollm2" in overrides and "model.name_or_path=/some/hf_dir" in overrides
+    cfg = vs_trl.compose_run_config(overrides)
+    assert (cfg.algorithm.prompts_per_step, cfg.algorithm.group_size, cfg.rollout.temperature) == (8, 8, 0.7)
+    assert (cfg.data.source, cfg.eval.split, cfg.eval.num_prompts) == ("word_problems", "test", 128)
+    assert vs_trl.trl_loss_type(cfg.algorithm.loss_agg_mode) == "dapo"  # token-mean: TRL's default
+    assert vs_trl.trl_loss_type("seq-mean-token-mean") == "grpo"
+    with pytest.raises(SystemExit, match="seq-mean-token-sum"):
+        vs_trl.trl_loss_type("seq-mean-token-sum")
 
 
 def test_word_problem_overrides_load_the_model_as_itself_on_the_task(vs_trl, tmp_path):
@@ -82,6 +98,26 @@ def test_word_problem_overrides_load_the_model_as_itself_on_the_task(vs_trl, tmp
                      "rollout.repetition.ngram=null"):
         assert expected in overrides, expected
     assert not any(o.startswith("model.init_from=") for o in overrides)
+
+
+@pytest.mark.parametrize("framework", ["posttrain", "trl"])
+def test_word_problem_accuracy_workers_record_a_curve_on_the_held_out_problems(tiny_hf_model, tmp_path, framework):
+    if framework == "trl":
+        pytest.importorskip("trl")
+    json_path = tmp_path / "result.json"
+    command = [sys.executable, str(BENCHMARK), "accuracy", "--worker", framework, "--kl", "none",
+               "--model", str(tiny_hf_model("qwen2")), "--task", "word_problems", "--prompts", "2",
+               "--group-size", "2", "--max-new-tokens", "4", "--seconds", "0.5", "--eval-every", "1",
+               "--threads", "1", "--json", str(json_path)]
+    finished = run_command(command, timeout=300)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    result = json.loads(json_path.read_text())
+    assert result["framework"] == framework and result["rows_per_step"] == 4 and result["max_new_tokens"] == 4
+    curve = result["curve"]
+    assert len(curve) >= 2 and curve[0]["step"] == 0 and curve[0]["train_s"] == 0.0
+    assert curve[-1]["train_s"] >= 0.5  # trained until the seconds were spent, then scored once more
+    assert [p["step"] for p in curve] == sorted({p["step"] for p in curve})
+    assert all(0.0 <= p["accuracy"] <= 1.0 for p in curve)
 
 
 def test_step_table_prints_the_update_length_and_memory_floor(vs_trl):

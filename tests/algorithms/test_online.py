@@ -200,3 +200,23 @@ def test_under_bf16_mixed_an_online_step_clips_with_the_fused_adamw(make_config,
     assert summary["global_step"] == 2 and len(norms) == 2
     for before, after in norms:
         assert before > 1e-4 and after == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_no_gradient_is_held_through_a_rollout(make_config, sft_start, monkeypatch):
+    """Gradients live only within a minibatch step: kept until the next one, a policy-sized
+    buffer (4 bytes a parameter in fp32) would sit through every rollout and raise its peak."""
+    from conftest import rl_config
+    from posttrain.algorithms.online import OnlineRLModule
+    from posttrain.train import run
+
+    generate, held = OnlineRLModule.generate, []
+
+    def recording(self, *args, **kwargs):
+        held.append(sum(p.grad is not None for p in self.policy.parameters()))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(OnlineRLModule, "generate", recording)
+    summary = run(rl_config(make_config, sft_start, "algorithm=grpo", "trainer.max_steps=3",
+                            "algorithm.entropy_coef=0.01"))  # a gradient even where every group agrees
+    assert summary["global_step"] == 3
+    assert len(held) >= 3 and held == [0] * len(held)

@@ -530,6 +530,8 @@ class OnlineRLModule(PosttrainModule):
         if self.critic is not None:  # also in the critic's warm-up, when the policy does not step
             sums["critic/grad_norm"] = self.optimiser_step(optimizers[1], self.critic_parameters(),
                                                            self.critic_cfg.max_grad_norm, count_step=False)
+        for optimizer in optimizers:  # set to None: a policy-sized buffer would otherwise sit through the rollout
+            optimizer.zero_grad(set_to_none=True)
         return sums
 
     def accumulate_gradients(self, exp: Experience, train_policy: bool = True,
