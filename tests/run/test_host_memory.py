@@ -40,5 +40,20 @@ def test_freed_buffers_leave_resident_memory_only_with_the_threshold():
     assert took == "True" and retained < 20
 
 
-def test_the_default_config_sets_the_threshold(make_config):
-    assert make_config().host_mmap_threshold_kib == 128
+def test_a_cpu_run_sets_the_threshold_it_is_given_before_anything_loads(make_config, monkeypatch):
+    import lightning
+
+    import posttrain.run.host_memory as host_memory
+    from posttrain.train import run
+
+    given = []
+    monkeypatch.setattr(host_memory, "return_freed_memory", lambda kib: given.append(kib) or True)
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped after the set-up")
+
+    monkeypatch.setattr(lightning, "seed_everything", stop)
+    for threshold in ("256", "null"):
+        with pytest.raises(RuntimeError, match="stopped after the set-up"):
+            run(make_config(f"host_mmap_threshold_kib={threshold}"))
+    assert given == [256, None]
