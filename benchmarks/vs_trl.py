@@ -4,7 +4,7 @@
         [--kl k3,none] [--threads 2] [--seconds 150] [--seeds 0,1,2] [--eval-every 25]
         [--out benchmarks/results/vs_trl] [--model <hf dir>] [--device cpu|cuda] [--rollout fast|vllm]
         [--task arithmetic|word_problems] [--prompts N] [--group-size G] [--max-new-tokens T] [--ignore-eos]
-        [--gradient-checkpointing] [--micro-batch-size M]
+        [--gradient-checkpointing] [--micro-batch-size M] [--host-mmap-threshold-kib K]
 
 TRL is a benchmark dependency only (`pip install -e '.[bench]'`: trl==1.16.0, matplotlib);
 posttrain never imports it.
@@ -201,6 +201,8 @@ def posttrain_overrides(args, output_dir: str, max_steps: int) -> list[str]:
         overrides.append("model.gradient_checkpointing=true")
     if getattr(args, "micro_batch_size", None) is not None:
         overrides.append(f"algorithm.micro_batch_size={args.micro_batch_size}")
+    if getattr(args, "host_mmap_threshold_kib", None) is not None:
+        overrides.append(f"host_mmap_threshold_kib={args.host_mmap_threshold_kib}")
     if args.device == "cuda":
         overrides += ["trainer=fsdp", "trainer.accelerator=gpu", "trainer.devices=1",
                       "trainer.strategy.param_dtype=bfloat16", f"rollout={args.rollout}"]
@@ -705,7 +707,8 @@ def plot_accuracy(curves: dict[str, list[list[dict]]], summary: dict, path: Path
 
 # --- the parent --------------------------------------------------------------------------------
 WORKER_OPTIONS = ("model", "threads", "steps", "warmup", "seconds", "eval_every", "device", "rollout", "task",
-                  "prompts", "group_size", "max_new_tokens", "ignore_eos", "gradient_checkpointing", "micro_batch_size")
+                  "prompts", "group_size", "max_new_tokens", "ignore_eos", "gradient_checkpointing", "micro_batch_size",
+                  "host_mmap_threshold_kib")
 
 
 def run_worker(framework: str, kl: str, mode: str, seed: int, args, out: Path) -> dict:
@@ -814,6 +817,8 @@ def parse_args(argv=None):
                         help="rows per forward and backward of the update, accumulated into one optimiser step "
                              "(posttrain: algorithm.micro_batch_size; TRL: per_device_train_batch_size with "
                              "gradient_accumulation_steps and steps_per_generation = rows / this)")
+    parser.add_argument("--host-mmap-threshold-kib", type=int, default=None,
+                        help="posttrain only: its host_mmap_threshold_kib (freed host memory returned at once)")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

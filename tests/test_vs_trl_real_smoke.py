@@ -90,12 +90,13 @@ def test_word_problem_accuracy_runs_the_real_model_preset_in_both_frameworks(vs_
 
 
 def test_word_problem_overrides_load_the_model_as_itself_on_the_task(vs_trl, tmp_path):
-    args = vs_trl.parse_args(["step", "--task", "word_problems", "--max-new-tokens", "512", "--kl", "none"])
+    args = vs_trl.parse_args(["step", "--task", "word_problems", "--max-new-tokens", "512", "--kl", "none",
+                              "--host-mmap-threshold-kib", "128"])
     args.model = "/some/hf_dir"
     overrides = vs_trl.posttrain_overrides(args, str(tmp_path), max_steps=3)
     for expected in ("model.name_or_path=/some/hf_dir", "data=word_problems", "algorithm.prompts_per_step=2",
                      "algorithm.group_size=8", "data.max_response_tokens=512", "kl_estimator=none",
-                     "rollout.repetition.ngram=null"):
+                     "rollout.repetition.ngram=null", "host_mmap_threshold_kib=128"):
         assert expected in overrides, expected
     assert not any(o.startswith("model.init_from=") for o in overrides)
 
