@@ -484,6 +484,8 @@ def trl_worker(args) -> dict:
     output_dir = args.scratch  # the run directory, removed when the worker ends
     cfg = compose_run_config(posttrain_overrides(args, output_dir, max_steps))
     grpo, optim, rollout = cfg.algorithm, cfg.algorithm.optim, cfg.rollout
+    rows, micro = rows_and_micro_batch(cfg)  # refused before the model and the dataset are loaded
+    loss_type = trl_loss_type(grpo.loss_agg_mode)
     chat = getattr(args, "task", "arithmetic") == "word_problems"
 
     # the prompts posttrain draws, in its order (one rank: training stream positions 0, 1, ...);
@@ -504,13 +506,12 @@ def trl_worker(args) -> dict:
     tokenizer = load_tokenizer(args.model)
     # one generation of the whole batch and one optimiser step over it; with --micro-batch-size,
     # TRL's way to the same: that many rows per forward and backward, accumulated
-    rows, micro = rows_and_micro_batch(cfg)
     config = GRPOConfig(
         output_dir=output_dir, seed=args.seed, max_steps=max_steps, use_cpu=not on_gpu, bf16=on_gpu, fp16=False,
         per_device_train_batch_size=micro, num_generations=grpo.group_size,
         steps_per_generation=rows // micro, num_iterations=1, gradient_accumulation_steps=rows // micro,
         max_completion_length=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
-        top_k=rollout.top_k, loss_type=trl_loss_type(grpo.loss_agg_mode), beta=cfg.kl_estimator.coef if args.kl != "none" else 0.0,
+        top_k=rollout.top_k, loss_type=loss_type, beta=cfg.kl_estimator.coef if args.kl != "none" else 0.0,
         epsilon=grpo.clip_low, epsilon_high=grpo.clip_high, scale_rewards="group",
         optim="adamw_torch_fused", learning_rate=optim.lr, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
         weight_decay=optim.weight_decay, lr_scheduler_type="constant_with_warmup", warmup_steps=optim.warmup_steps,

@@ -183,6 +183,7 @@ def test_under_bf16_mixed_an_online_step_clips_with_the_fused_adamw(make_config,
     (trainer=default, bf16-mixed) stopped at its first step. bf16 has no loss scaler, so the
     step clips the true gradients itself, by the norm it logs."""
     from conftest import rl_config
+
     from posttrain.train import run
 
     # an entropy bonus: a gradient also where every group's rewards are equal
@@ -206,6 +207,7 @@ def test_no_gradient_is_held_through_a_rollout(make_config, sft_start, monkeypat
     """Gradients live only within a minibatch step: kept until the next one, a policy-sized
     buffer (4 bytes a parameter in fp32) would sit through every rollout and raise its peak."""
     from conftest import rl_config
+
     from posttrain.algorithms.online import OnlineRLModule
     from posttrain.train import run
 
