@@ -203,6 +203,7 @@ def posttrain_overrides(args, output_dir: str, max_steps: int) -> list[str]:
         overrides.append(f"algorithm.micro_batch_size={args.micro_batch_size}")
     if getattr(args, "host_mmap_threshold_kib", None) is not None:
         overrides.append(f"host_mmap_threshold_kib={args.host_mmap_threshold_kib}")
+    overrides += getattr(args, "posttrain_override", None) or []  # last: they win
     if args.device == "cuda":
         overrides += ["trainer=fsdp", "trainer.accelerator=gpu", "trainer.devices=1",
                       "trainer.strategy.param_dtype=bfloat16", f"rollout={args.rollout}"]
@@ -709,7 +710,7 @@ def plot_accuracy(curves: dict[str, list[list[dict]]], summary: dict, path: Path
 # --- the parent --------------------------------------------------------------------------------
 WORKER_OPTIONS = ("model", "threads", "steps", "warmup", "seconds", "eval_every", "device", "rollout", "task",
                   "prompts", "group_size", "max_new_tokens", "ignore_eos", "gradient_checkpointing", "micro_batch_size",
-                  "host_mmap_threshold_kib")
+                  "host_mmap_threshold_kib", "posttrain_override")
 
 
 def run_worker(framework: str, kl: str, mode: str, seed: int, args, out: Path) -> dict:
@@ -723,6 +724,8 @@ def run_worker(framework: str, kl: str, mode: str, seed: int, args, out: Path) -
         value, flag = getattr(args, option), f"--{option.replace('_', '-')}"
         if isinstance(value, bool):  # a switch
             command += [flag] if value else []
+        elif isinstance(value, list):  # a repeated option
+            command += [part for item in value for part in (flag, str(item))]
         elif value is not None:  # None: the preset's own value
             command += [flag, str(value)]
     with open(log_path, "w") as log:
@@ -820,6 +823,9 @@ def parse_args(argv=None):
                              "gradient_accumulation_steps and steps_per_generation = rows / this)")
     parser.add_argument("--host-mmap-threshold-kib", type=int, default=None,
                         help="posttrain only: its host_mmap_threshold_kib (freed host memory returned at once)")
+    parser.add_argument("--posttrain-override", action="append", metavar="KEY=VALUE",
+                        help="posttrain only: one more config override (repeatable), e.g. rollout.dtype=bfloat16 "
+                             "to sample in bf16 from the fp32 policy")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -879,6 +885,8 @@ def main(argv=None) -> None:
             length += ", gradient checkpointing on"
         print(f"{shown(args.prompts)} prompts x {shown(args.group_size)} samples, max new tokens "
               f"{shown(args.max_new_tokens)}, {length}", flush=True)
+    if args.posttrain_override:
+        print(f"posttrain only: {' '.join(args.posttrain_override)}", flush=True)
     if args.mode in ("step", "all"):
         step_mode(args, out)
     if args.mode in ("accuracy", "all"):

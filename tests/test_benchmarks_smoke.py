@@ -68,3 +68,20 @@ def test_distinct_prompts_are_not_shared_and_a_group_must_divide_the_batch(rollo
     assert set(cell["rows"]) == {"fast", "hf", "ceiling"}
     with pytest.raises(ValueError, match="group-size 3 .* divide every batch"):
         rollout_speed.measure_grid(batches=[6, 4], new_tokens=[2], repeats=1, group_size=3)
+
+
+def test_mismatch_benchmark_finds_no_gap_in_fp32_and_one_in_bf16(tmp_path, capsys):
+    """benchmarks/mismatch.py on the tiny model (random init): the fp32 sampler's log-probs are
+    the trainer's up to rounding; the bf16 sampler's differ, and the table says by how much."""
+    import json
+
+    mismatch = load_benchmark("mismatch")
+    out = tmp_path / "mismatch.json"
+    results = mismatch.main(["--prompts", "2", "--group-size", "2", "--max-new-tokens", "6", "--seeds", "0,1",
+                             "--threads", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"].keys() == {"float32", "bfloat16"}
+    fp32, bf16 = results["rows"]["float32"], results["rows"]["bfloat16"]
+    assert fp32["tokens"] > 0 and bf16["tokens"] > 0
+    assert fp32["abs_log_ratio_max"] < 1e-4 and fp32["kl"] < 1e-9
+    assert bf16["abs_log_ratio_max"] > 1e-3 and bf16["kl"] > fp32["kl"]
+    assert "| bfloat16 |" in capsys.readouterr().out

@@ -21,6 +21,10 @@ class RewardError(PosttrainError):
     """A reward function raised or returned a non-finite value."""
 
 
+class MismatchError(PosttrainError):
+    """The sampler and the trainer disagreed beyond `rollout.mismatch_budget` (action: stop)."""
+
+
 class CheckpointError(PosttrainError):
     """A checkpoint or model directory that is missing or unreadable."""
 

@@ -172,6 +172,11 @@ def test_model_hf_without_a_model_is_refused():
     (("trainer.gradient_clip_val=1.0",), "algorithm.max_grad_norm"),
     (("algorithm=grpo", "kl_estimator.coef=-1"), "kl_estimator.coef=-1"),
     (("algorithm=grpo", "reward.components.accuracy.weight=heavy"), "reward.components.accuracy.weight='heavy'"),
+    (("algorithm=grpo", "rollout.dtype=int8"), "rollout.dtype='int8'"),
+    (("algorithm=grpo", "rollout.correction.tis=row"), "rollout.correction.tis='row'"),
+    (("algorithm=grpo", "rollout.correction.mis_low=1.5"), "rollout.correction.mis_low=1.5"),
+    (("algorithm=grpo", "rollout.correction.mis_high=0.5"), "rollout.correction.mis_high=0.5"),
+    (("algorithm=grpo", "rollout.mismatch_budget.action=abort"), "rollout.mismatch_budget.action='abort'"),
     (("algorithm=grpo", "~reward.components.accuracy"), "reward.components={} is not valid: expected a non-empty"),
 ])
 def test_a_bad_value_is_named(overrides, named):
@@ -225,6 +230,10 @@ def test_minibatches_must_split_the_rollout_batch():
      "algorithm.distill.mode=reward adds each token's distillation reward"),
     (("algorithm=kdrl", "teacher=tiny_concise", "algorithm.distill.coef_schedule.steps=0"),
      "algorithm.distill.coef_schedule.steps=0"),
+    (("algorithm=grpo", "rollout=hf", "rollout.dtype=bfloat16"), "rollout=hf samples with the policy's own weights"),
+    (("algorithm=sft", "rollout.correction.tis=token"), "algorithm=sft has none"),
+    (("algorithm=dpo", "rollout.mismatch_budget.kl=0.01"), "rollout.mismatch_budget.kl"),
+    (("algorithm=grpo", "rollout.mismatch_budget.masked_frac=0.1"), "rollout.correction.mis is null"),
 ])
 def test_a_bad_combination_is_named(overrides, named):
     assert named in refusal(*overrides)

@@ -849,3 +849,25 @@ def test_kimi_on_policy_gradient_is_reinforce_with_group_mean_advantages(mode):
     (g_reinforce,) = torch.autograd.grad(reinforce, logp)
     torch.testing.assert_close(g_kimi, g_reinforce)
     assert g_kimi.abs().sum() > 0
+
+
+def test_is_weights_scale_each_tokens_term_and_a_zero_weight_drops_it_from_loss_and_stats():
+    """The train-inference correction's weights (mismatch.correction_weights) multiply each
+    token's term, detached; a 0 drops the token from the stats too; the counts stay."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]], dtype=D, requires_grad=True)
+    old = torch.tensor([[-1.0, -2.0, -1.0], [-1.0, -1.0, -1.0]], dtype=D)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]], dtype=D)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    weights = torch.tensor([[2.0, 0.0, 0.5], [1.0, 0.25, float("nan")]], dtype=D)  # nan on padding
+    loss, stats = ppo_clip_loss(logp, old, adv, mask, clip_low=None, clip_high=None, is_weights=weights)
+    # ratios [1, 1, e^0.5] / [1, 1]; unclipped terms -r A: [-1, -1, -e^0.5] / [2, 2]; token-mean over 5
+    expected = (2.0 * -1 + 0.0 + 0.5 * -math.exp(0.5) + 1.0 * 2 + 0.25 * 2) / 5
+    assert loss.item() == pytest.approx(expected)
+    loss.backward()
+    # d/dlogp of -w r A = -w r A: the weight scales the gradient and gets none itself
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0, 0.0, -0.5 * math.exp(0.5)],
+                                                        [2.0, 0.5, 0.0]], dtype=D) / 5)
+    # the stats see the 4 tokens with a weight: ratio mean (1 + e^0.5 + 1 + 1) / 4
+    assert stats["ratio_mean"].item() == pytest.approx((3 + math.exp(0.5)) / 4)
+    with pytest.raises(ValueError, match="is_weights"):
+        ppo_clip_loss(logp, old, adv, mask, is_weights=weights[:, :2])

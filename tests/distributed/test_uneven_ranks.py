@@ -45,6 +45,12 @@ PROMPTS_PER_STEP, GROUP_SIZE = 3, 4
 # keeps 8 rows, so in 2 minibatches the ranks have 3 and 2 micro-batches of 2 rows
 ONLINE = {"grpo": {"ppo_epochs": 1, "num_minibatches": 2}, "ppo": {"ppo_epochs": 2, "num_minibatches": 6}}
 EXTRA_ROUNDS = {"grpo": 1, "ppo": 0}
+# GRPO also samples in bf16 with both train-inference corrections on and a budget every batch
+# exceeds: the corrected update, the mismatch metrics and the budget's verdict are those of the
+# union of the ranks' tokens
+MISMATCHED = {"grpo": ("rollout.dtype=bfloat16", "rollout.correction.tis=token", "rollout.correction.mis=sequence",
+                       "rollout.correction.mis_low=0.9", "rollout.correction.mis_high=1.1",
+                       "rollout.mismatch_budget.kl=1e-12"), "ppo": ()}
 MICRO_BATCH = 2
 
 
@@ -64,7 +70,7 @@ def online_config(out_dir, algorithm, *trainer):
                       "test_uneven_ranks.uneven_digit_share", "data_curriculum=dynamic_sampling",
                       f"data_curriculum.max_extra_rounds={EXTRA_ROUNDS[algorithm]}", f"algorithm.prompts_per_step={PROMPTS_PER_STEP}",
                       f"algorithm.group_size={GROUP_SIZE}", f"algorithm.micro_batch_size={MICRO_BATCH}",
-                      *(f"algorithm.{key}={value}" for key, value in ONLINE[algorithm].items()),
+                      *(f"algorithm.{key}={value}" for key, value in ONLINE[algorithm].items()), *MISMATCHED[algorithm],
                       f"trainer.max_steps={steps}", "trainer.val_check_interval=1",
                       f"callbacks.checkpoint.every_n_train_steps={steps}", f"eval.num_prompts={HELD_OUT_PROMPTS}",
                       "eval.batch_size=2", "num_threads=1", f"paths.cache_dir={out_dir}/cache")
@@ -254,6 +260,12 @@ def test_online_rl_on_uneven_ranks_takes_the_configured_steps_and_equals_one_pro
     for rank in ranks:  # exactly ppo_epochs x num_minibatches optimiser steps for the rollout batch
         assert rank["batches"] == 1 and rank["summary"]["global_step"] == steps
         assert len(rank["minibatches"]) == steps
+    # the mismatch of the whole batch, the same on every rank (reduced over the ranks' tokens)
+    mismatch = [{k: v for k, v in rank["summary"].items() if k.startswith("rollout/mismatch/")} for rank in ranks]
+    assert mismatch[0] == mismatch[1] and "rollout/mismatch/kl" in mismatch[0]
+    if MISMATCHED[kind]:
+        assert mismatch[0]["rollout/mismatch/over_budget_batches"] == 1.0
+        assert mismatch[0]["rollout/mismatch/kl"] > 0 and "rollout/mismatch/masked_frac" in mismatch[0]
 
     # one process stepping on the union of the ranks' minibatches, in order: the same weights
     cfg = online_config(tmp_path, kind, "+trainer.limit_val_batches=0")

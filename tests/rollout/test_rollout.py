@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -620,3 +621,49 @@ def test_vllm_outputs_are_cut_where_fast_would_stop():
     assert out.repeated.tolist() == [True, False, False] and out.truncated.tolist() == [False, False, True]
     assert out.response_lengths().tolist() == [7, 6, 10]  # tokens 1..6 are 3 5 3 5 3 5
     assert out.response_ids[0].tolist() == [4, 3, 5, 3, 5, 3, 5, 0, 0, 0]
+
+
+def test_a_bfloat16_sampler_rounds_an_fp32_policys_weights_once_and_reports_its_own_logprobs(llama):
+    """rollout.dtype=bfloat16 (SamplingParams.weights_dtype): the fused decoder holds bf16 copies
+    of an fp32 policy's weights, so its logits are those of the bf16-rounded model (within bf16's
+    own rounding), not the fp32 ones; the policy itself is not touched."""
+    model = copy.deepcopy(llama)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt, prompt_mask = _left_padded(model.config.vocab_size, (0, 2, 4), 6)
+    with torch.inference_mode():
+        fp32 = FunctionalDecoder(model, 3, 8).prefill(prompt, prompt_mask, all_logits=True)
+        bf16 = FunctionalDecoder(model, 3, 8, dtype=torch.bfloat16).prefill(prompt, prompt_mask, all_logits=True)
+        rounded = FunctionalDecoder(copy.deepcopy(model).to(torch.bfloat16), 3, 8).prefill(prompt, prompt_mask,
+                                                                                           all_logits=True)
+    real = prompt_mask.bool()
+    assert bf16.dtype == torch.bfloat16
+    gap = (bf16.float() - fp32)[real].abs().max()
+    assert gap > 0
+    assert (bf16.float() - rounded.float())[real].abs().max() <= gap  # nearer the bf16 model than the fp32 one
+    for name, value in model.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, before[name]), name
+
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    seeded = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    sampled = FastSampler().generate(model, prompt, prompt_mask, replace(params, weights_dtype=torch.bfloat16),
+                                     eos_token_id=1, pad_token_id=0, generator=seeded())
+    # the trainer's fp32 log-probs of the very tokens the bf16 sampler drew differ from its own
+    ids = torch.cat([prompt, sampled.response_ids], 1)
+    mask = torch.cat([prompt_mask, sampled.response_mask], 1)
+    with torch.inference_mode():
+        logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    trainer = logits[:, 5:-1].log_softmax(-1).gather(-1, sampled.response_ids[..., None]).squeeze(-1)
+    valid = sampled.response_mask.bool()
+    difference = (trainer - sampled.logprobs)[valid].abs()
+    assert 0 < difference.max() < 0.5
+
+
+def test_only_the_fused_path_samples_in_another_precision():
+    config = transformers.GPT2Config(vocab_size=16, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    model = _init(transformers.GPT2LMHeadModel, config)
+    prompt, mask = _left_padded(16, (0, 0), 5)
+    params = SamplingParams(max_new_tokens=3, weights_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rollout.dtype=bfloat16 needs the fused sampling path"):
+        FastSampler().generate(model, prompt, mask, params, eos_token_id=1, pad_token_id=0)
+    with pytest.raises(ValueError, match="rollout=hf samples with the policy's own weights"):
+        HFSampler().generate(model, prompt, mask, params, eos_token_id=1, pad_token_id=0)

@@ -10,6 +10,7 @@ by default (pyproject addopts) and were NOT run here (no GPU on the machine that
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import time
 import types
@@ -466,6 +467,8 @@ def test_a_grpo_run_syncs_once_per_policy_update(fake_vllm, tmp_path):
     assert engine.weight_syncs == llm.model.loads == 3  # at the start, then after steps 1 and 2 (not after 3)
     # the last step's weights wait for the next rollout
     assert not torch.equal(llm.model.hf.model.embed_tokens.weight, policy.model.embed_tokens.weight)
+    # vLLM's log-probs are the sampler's mu of the mismatch metrics, as the fast engine's are
+    assert math.isfinite(float(trainer.callback_metrics["rollout/mismatch/kl"]))
 
 
 # ----------------------------------------------------------------------------- real vLLM (GPU)
@@ -530,3 +533,22 @@ def test_gpu_short_grpo_run_with_vllm(tiny_hf_model, make_config, tmp_path):
                               "callbacks.checkpoint.every_n_train_steps=3", "eval.num_prompts=8", "eval.batch_size=8",
                               "+reward.components.variety.target=test_vllm_rollout.response_variety"))
     assert summary["global_step"] == 3 and "eval/accuracy" in summary and "rollout/reward_mean" in summary
+
+
+@pytest.mark.gpu
+def test_gpu_vllm_in_bf16_for_an_fp32_policy_gives_a_measured_and_corrected_mismatch(tiny_hf_model, make_config):
+    """vLLM samples in bf16 (rollout.dtype) from an fp32 policy: its log-probs feed the mismatch
+    metrics and the token-level TIS correction as the fast sampler's do."""
+    from posttrain.train import run
+
+    summary = run(make_config(*FAST_RUN, "trainer=default", "trainer.precision=32-true", "model=hf",
+                              "model.dtype=float32", f"model.name_or_path={tiny_hf_model('qwen2')}", "algorithm=grpo",
+                              "rollout=vllm", "rollout.dtype=bfloat16", "rollout.correction.tis=token",
+                              "rollout.enforce_eager=true", "rollout.gpu_memory_utilization=0.2",
+                              "algorithm.warm_start.steps=0", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
+                              "data.max_response_tokens=16", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                              "callbacks.checkpoint.every_n_train_steps=2", "eval.num_prompts=8", "eval.batch_size=8",
+                              "+reward.components.variety.target=test_vllm_rollout.response_variety"))
+    assert summary["rollout/mismatch/kl"] > 0 and summary["rollout/mismatch/abs_log_ratio_max"] > 1e-3
+    print(f"\nvLLM bf16 against the fp32 trainer: mismatch KL {summary['rollout/mismatch/kl']:.2e}, "
+          f"|d| mean {summary['rollout/mismatch/abs_log_ratio_mean']:.2e}")

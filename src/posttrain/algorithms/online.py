@@ -52,6 +52,7 @@ over the ranks: every rank holds one state, that of one process on the union of 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 
@@ -64,13 +65,14 @@ from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.experience import Experience
 from posttrain.models.forward import (lm_head_weights, logprobs_from_hidden, sequence_hidden_states, sequence_logits,
                                       sequence_logprobs)
-from posttrain.algorithms.terms import DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
+from posttrain.algorithms.terms import MISMATCH_SUMS, DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
 from posttrain.data.steps import source_step_rule
 from posttrain.distributed.collectives import (all_reduce_max, all_reduce_sum, average_gradients, rank_and_world,
                                                is_dtensor, this_ranks, with_every_rank)
-from posttrain.errors import ConfigError, RewardError
+from posttrain.errors import ConfigError, MismatchError, RewardError
+from posttrain.models.loading import DTYPES
 from posttrain.models.lora import reference_is_the_base, reference_model
 from posttrain.models.roles import ValueModel, build_role
 from posttrain.rewards import build_reward
@@ -78,6 +80,8 @@ from posttrain.rewards.samples import rollout_samples
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.repetition import repetition_rule
 from posttrain.distributed.sharding import full_weights
+
+log = logging.getLogger(__name__)
 
 # Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
 KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")
@@ -165,8 +169,17 @@ class OnlineRLModule(PosttrainModule):
             self.shared_critic = shared
         self.critic_warmup_batches = critic.warmup_batches if critic is not None else 0
 
+        # --- the train-inference mismatch: corrections of pi_old / mu, and the budget on its size ---
+        correction = rollout.get("correction") or {}
+        self.correction = {key: correction[key] for key in ("tis", "tis_cap", "mis", "mis_low", "mis_high")
+                           if key in correction}
+        self.mismatch_budget = dict(rollout.get("mismatch_budget") or {})
+        self.mismatch_over_budget = 0  # rollout batches over the budget so far (checkpointed)
+        ones = torch.ones(1, 1)
+        self.mismatch_sum_keys = tuple(k for k in core.mismatch_sums(ones, ones) if k not in core.MISMATCH_MAX_KEYS)
+
         # --- the loss terms of the update stage ---
-        self.policy_term = PolicyTerm(policy_loss, self.loss_options, offpolicy_mask_delta)
+        self.policy_term = PolicyTerm(policy_loss, self.loss_options, offpolicy_mask_delta, self.correction)
         self.terms = [self.policy_term, EntropyTerm(entropy_coef)]
         if self.uses_reference:
             self.terms.append(KLTerm(self.kl_name, self.kl_options, self.kl_controller,
@@ -248,6 +261,7 @@ class OnlineRLModule(PosttrainModule):
         with_every_rank(checkpoint, "curriculum", self.curriculum.state_dict())  # the ranks' positions differ
         checkpoint["ptx_position"] = self.ptx_cursor.position if self.ptx_cursor is not None else 0
         checkpoint["nonfinite_steps"] = self.nonfinite_steps
+        checkpoint["mismatch_over_budget"] = self.mismatch_over_budget
         if self.kl_controller is not None:
             checkpoint["kl_controller"] = self.kl_controller.state_dict()
 
@@ -259,6 +273,7 @@ class OnlineRLModule(PosttrainModule):
         if self.ptx_cursor is not None:
             self.ptx_cursor.position = checkpoint.get("ptx_position", 0)
         self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)
+        self.mismatch_over_budget = checkpoint.get("mismatch_over_budget", 0)
         if "kl_controller" in checkpoint and self.kl_controller is not None:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
 
@@ -309,6 +324,7 @@ class OnlineRLModule(PosttrainModule):
             self.kl_controller.update(kl_sum / world, n_steps=int(rows))
             metrics["policy/kl_coef"] = float(self.kl_controller.value)
         metrics.update(stats)
+        self.check_mismatch_budget(metrics, step)
         metrics.update(advantage_metrics)
         metrics.update(self.rollout_metrics(exp))
         metrics.update(timings)
@@ -322,9 +338,12 @@ class OnlineRLModule(PosttrainModule):
     def sampling_params(self) -> SamplingParams:
         r = self.rollout_cfg
         # looping responses are stopped and flagged (rollout.repetition; evaluation does not use it)
+        # rollout.dtype: the fast sampler rounds its weights to it; vLLM took it when it started
+        dtype = r.get("dtype", "auto")
+        weights_dtype = DTYPES[dtype] if dtype != "auto" and r.engine != "vllm" else None
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, return_support=self.keep_sampling_mask,
-                              repetition=repetition_rule(r.get("repetition")))
+                              repetition=repetition_rule(r.get("repetition")), weights_dtype=weights_dtype)
 
     def rank_seed(self, base: int) -> int:
         """A generator seed of this rank: the run's own seed in a single process."""
@@ -500,6 +519,7 @@ class OnlineRLModule(PosttrainModule):
         stand_in = exp.select(torch.zeros(1, dtype=torch.long, device=self.device))
         totals: dict[str, float] = {}
         updates: dict[str, int] = {}
+        mismatch: dict[str, float] = {}
         for _ in range(self.ppo_epochs):
             order = torch.randperm(len(exp), generator=generator).to(self.device)
             # exactly num_minibatches minibatches of near-equal sizes, whatever the rank's row
@@ -509,9 +529,14 @@ class OnlineRLModule(PosttrainModule):
                 # group's rows stay together, so the forward computes their prompt once
                 stats = self.minibatch_step(exp.select(rows.sort().values), train_policy, stand_in)
                 for k, v in stats.items():
+                    if MISMATCH_SUMS in k:
+                        add_mismatch_sum(mismatch, k.rsplit("/", 1)[1], v)
+                        continue
                     totals[k] = totals.get(k, 0.0) + v
                     updates[k] = updates.get(k, 0) + 1
         metrics = {k: v / updates[k] for k, v in totals.items()}
+        if train_policy:  # the policy term ran on every rank (a rank without rows adds zeros)
+            metrics.update(self.mismatch_metrics(mismatch))
         metrics["perf/nonfinite_grad_steps"] = float(self.nonfinite_steps)
         if not train_policy:
             metrics["perf/skipped_update"] = 1.0
@@ -586,10 +611,45 @@ class OnlineRLModule(PosttrainModule):
             # stats are micro-batch means, weighted by their token share
             share = float(part_mask.sum() / num_tokens.clamp(min=1))
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v * (1.0 if k in GLOBAL_STATS else share)
+                if MISMATCH_SUMS in k:
+                    add_mismatch_sum(sums, k, v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + v * (1.0 if k in GLOBAL_STATS else share)
         if train_policy and self.ptx_coef:
             sums.update(self.ptx_step())
         return sums
+
+    def mismatch_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """`rollout/mismatch/*` of the whole batch, every rank's tokens together, from the
+        policy term's sums (core.mismatch_metrics): the same values on every rank."""
+        added = all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in self.mismatch_sum_keys],
+                                            dtype=torch.float64, device=self.device))
+        maxima = all_reduce_max(torch.tensor([sums.get(k, 0.0) for k in core.MISMATCH_MAX_KEYS],
+                                             dtype=torch.float64, device=self.device))
+        reduced = {**dict(zip(self.mismatch_sum_keys, added)), **dict(zip(core.MISMATCH_MAX_KEYS, maxima))}
+        return {f"rollout/mismatch/{k}": float(v) for k, v in core.mismatch_metrics(reduced).items()}
+
+    def check_mismatch_budget(self, metrics: dict[str, float], step: int) -> None:
+        """`rollout.mismatch_budget`: a batch whose mismatch KL or masked share (all-reduced, so
+        every rank decides alike) is over its ceiling is counted, and warned about or stops the
+        run. The count, `rollout/mismatch/over_budget_batches`, goes into summary.json, and
+        posttrain-report marks a run with any such batch invalid."""
+        budget = self.mismatch_budget
+        ceilings = {"kl": budget.get("kl"), "masked_frac": budget.get("masked_frac")}
+        if all(ceiling is None for ceiling in ceilings.values()):
+            return
+        over = [f"rollout/mismatch/{name} = {metrics[f'rollout/mismatch/{name}']:.4g} > {ceiling}"
+                for name, ceiling in ceilings.items()
+                if ceiling is not None and metrics.get(f"rollout/mismatch/{name}", 0.0) > ceiling]
+        if over:
+            self.mismatch_over_budget += 1
+            message = (f"rollout batch {step}: the sampler and the trainer disagree beyond rollout.mismatch_budget "
+                       f"({'; '.join(over)})")
+            if budget.get("action", "warn") == "stop":
+                raise MismatchError(f"{message}; the run stops (rollout.mismatch_budget.action=stop)")
+            if rank_and_world()[0] == 0:
+                log.warning(f"{message}: the run is marked invalid (summary.json, posttrain-report)")
+        metrics["rollout/mismatch/over_budget_batches"] = float(self.mismatch_over_budget)
 
     def training_forward(self, exp: Experience, with_values: bool):
         """(log pi_theta (with gradient), entropy (with gradient only when weighted), the critic's
@@ -741,6 +801,14 @@ class OnlineRLModule(PosttrainModule):
         if not torch.isnan(exp.correct).any():
             metrics["rollout/accuracy"] = float(exp.correct.mean())
         return metrics
+
+
+def add_mismatch_sum(sums: dict[str, float], key: str, value: float) -> None:
+    """Add one micro-batch's mismatch sum into `sums` (its maximum, for the max keys)."""
+    if key.rsplit("/", 1)[-1] in core.MISMATCH_MAX_KEYS:
+        sums[key] = max(sums.get(key, 0.0), value)
+    else:
+        sums[key] = sums.get(key, 0.0) + value
 
 
 def process_reward_of(reward_fn):

@@ -28,25 +28,43 @@ class MicroBatch:
     teacher_logits: torch.Tensor | None = None  # [b, T, V] teacher logits, no gradient (distill mode full)
 
 
+# Stats of PolicyTerm that are sums over tokens (the mismatch's, core.mismatch_sums): the update
+# adds them over micro-batches and ranks (the max ones: takes the max) before it turns them into
+# the `rollout/mismatch/*` metrics.
+MISMATCH_SUMS = "mismatch_sum/"
+
+
 class PolicyTerm:
     """The policy-gradient surrogate (`algorithm.policy_loss`), with DeepSeek-V3.2's off-policy
-    sequence mask when `offpolicy_mask_delta` is set."""
+    sequence mask when `offpolicy_mask_delta` is set, and the train-inference correction
+    (`rollout.correction`: core.correction_weights of pi_old / mu) when one is configured.
+
+    pi_old is the trainer's: annotated off-policy, else this forward's own log-probs, detached
+    (the same weights as at sampling time, the same forward, before any step). mu is the
+    sampler's: the gap between the two is measured on every batch, corrected or not."""
 
     prefix = "policy"
 
-    def __init__(self, name: str, options: dict, offpolicy_mask_delta: float | None = None):
+    def __init__(self, name: str, options: dict, offpolicy_mask_delta: float | None = None,
+                 correction: dict | None = None):
         self.name, self.options, self.offpolicy_mask_delta = name, options, offpolicy_mask_delta
+        self.correction = correction or {}
 
     def __call__(self, mb: MicroBatch):
         seq_mask, stats = None, {}
+        # compare like with like: the sampler's and the trainer's log-probs over the same support
+        sampler_logp = mb.exp.support_logprobs if mb.exp.support_logprobs is not None else mb.exp.rollout_logprobs
         if self.offpolicy_mask_delta is not None:
-            # compare like with like: the sampler's and the trainer's log-probs over the same support
-            sampler_logp = mb.exp.support_logprobs if mb.exp.support_logprobs is not None else mb.exp.rollout_logprobs
             seq_mask = core.offpolicy_sequence_mask(mb.logp.detach(), sampler_logp, mb.exp.advantages, mb.mask,
                                                     self.offpolicy_mask_delta)
             stats["offpolicy_masked_frac"] = 1.0 - seq_mask.float().mean()
+        log_ratio = core.mismatch_log_ratio(mb.old_logp, sampler_logp, mb.exp.response_mask)
+        is_weights = core.correction_weights(log_ratio, mb.mask, **self.correction)
+        sums = core.mismatch_sums(log_ratio, mb.exp.response_mask, **self.correction)
+        stats.update({MISMATCH_SUMS + key: value for key, value in sums.items()})
         loss, loss_stats = core.compute_policy_loss(self.name, mb.logp, mb.old_logp, mb.exp.advantages, mb.mask,
-                                                    seq_mask=seq_mask, **self.options, **mb.aggregation)
+                                                    seq_mask=seq_mask, is_weights=is_weights, **self.options,
+                                                    **mb.aggregation)
         return loss, {"loss": loss.detach(), **loss_stats, **stats}
 
 

@@ -58,6 +58,9 @@ PATTERNS = [key for key in SPECS if "*" in key]
 RULES: tuple[Rule, ...] = (
     algorithm.offline_algorithm_takes_no_online_components,
     rollout.repetition_window_holds_two_blocks,
+    rollout.sampler_precision_is_supported,
+    rollout.mismatch_options_need_an_online_algorithm,
+    rollout.masked_share_budget_needs_a_mask,
     algorithm.preference_algorithm_reads_no_reward,
     algorithm.preference_algorithm_samples_in_process,
     algorithm.preference_options_fit_the_loss,

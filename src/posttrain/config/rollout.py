@@ -9,6 +9,7 @@ import torch
 
 from posttrain.config.spec import POSITIVE, Spec, Values, boolean, choice, integer, number, optional, rule
 from posttrain.config.trainer import is_sharded_strategy
+from posttrain.core.mismatch import CORRECTION_LEVELS
 from posttrain.distributed.collectives import device_count
 from posttrain.models.loading import DTYPES
 from posttrain.rollout import ALL_ROLLOUT_ENGINES
@@ -27,7 +28,22 @@ SPECS: dict[str, Spec] = {
     # rollout=vllm's engine settings (rollout/vllm.py)
     "rollout.gpu_memory_utilization": number(0, 1, low_open=True).about("fraction of the GPU's memory for vLLM"),
     "rollout.max_model_len": optional(integer(1)).about("prompt + response tokens; null: the model's context"),
-    "rollout.dtype": choice("auto", *DTYPES).about("vLLM's compute dtype; auto: the policy's"),
+    "rollout.dtype": choice("auto", *DTYPES).about("the sampler's weight precision (rollout=fast, vllm); auto: the "
+                                                   "policy's"),
+    # the train-inference mismatch (core/mismatch.py): corrections and a budget, online algorithms only
+    "rollout.correction.tis": optional(choice(*CORRECTION_LEVELS)).about("truncated IS weight min(pi_old/mu, "
+                                                                          "tis_cap); null: off"),
+    "rollout.correction.tis_cap": POSITIVE,
+    "rollout.correction.mis": optional(choice(*CORRECTION_LEVELS)).about("masked IS: drop tokens (rows) whose "
+                                                                          "pi_old/mu is outside [mis_low, mis_high]; "
+                                                                          "null: off"),
+    "rollout.correction.mis_low": number(0, 1, low_open=True),
+    "rollout.correction.mis_high": number(1),
+    "rollout.mismatch_budget.kl": optional(number(0)).about("ceiling on a batch's rollout/mismatch/kl; null: none"),
+    "rollout.mismatch_budget.masked_frac": optional(number(0, 1)).about("ceiling on a batch's share of masked "
+                                                                         "tokens; null: none"),
+    "rollout.mismatch_budget.action": choice("warn", "stop").about("over budget: warn (the run is marked invalid) "
+                                                                   "or stop"),
     "rollout.enforce_eager": boolean().about("true: no CUDA graphs"),
     "rollout.sleep_level": choice(*SLEEP_LEVELS).about("0: stay awake between rollouts; 1: weights to CPU; "
                                                        "2: weights freed"),
@@ -40,6 +56,32 @@ def repetition_window_holds_two_blocks(v: Values):
     if ngram is not None and window is not None and window < 2 * ngram:
         yield (f"rollout.repetition.window={window} must be at least 2 x rollout.repetition.ngram = {2 * ngram}, "
                f"so that a block is repeated at least twice")
+
+
+@rule
+def sampler_precision_is_supported(v: Values):
+    if v.get("rollout.engine") == "hf" and v.get("rollout.dtype", "auto") != "auto":
+        yield (f"rollout.dtype={v.get('rollout.dtype')}: rollout=hf samples with the policy's own weights; use "
+               f"rollout=fast (or vllm) to sample in another precision, or rollout.dtype=auto")
+
+
+@rule
+def mismatch_options_need_an_online_algorithm(v: Values):
+    """The corrections and the budget act on an online update; elsewhere they would be ignored."""
+    if v.online():
+        return
+    keys = [key for key in ("rollout.correction.tis", "rollout.correction.mis", "rollout.mismatch_budget.kl",
+                            "rollout.mismatch_budget.masked_frac") if v.get(key) is not None]
+    if keys:
+        yield (f"{', '.join(keys)} correct or budget an online RL update, but algorithm={v.algorithm()} has none: "
+               f"leave them null")
+
+
+@rule
+def masked_share_budget_needs_a_mask(v: Values):
+    if v.get("rollout.mismatch_budget.masked_frac") is not None and v.get("rollout.correction.mis") is None:
+        yield ("rollout.mismatch_budget.masked_frac caps the share of tokens the masked correction drops, but "
+               "rollout.correction.mis is null: set a level (token | sequence | geometric) or drop the ceiling")
 
 
 @rule

@@ -62,6 +62,17 @@ from .length import dapo_overlong_penalty, kimi_length_reward
 from .logprobs import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from .masked import drop_truncated, masked_mean, masked_sum, masked_var, masked_whiten, zero_padding
 from .metrics import pass_at_k
+from .mismatch import (
+    CORRECTION_LEVELS,
+    MISMATCH_MAX_KEYS,
+    correction_weights,
+    level_log_ratio,
+    masked_is_keep,
+    mismatch_log_ratio,
+    mismatch_metrics,
+    mismatch_sums,
+    truncated_is_weights,
+)
 from .policy_loss import (
     POLICY_LOSSES,
     cispo_loss,
@@ -118,4 +129,6 @@ __all__ = [
     "set_finite_checks", "simpo_loss", "token_logprobs_and_entropy", "value_loss", "zero_padding",
     "STEP_AGGREGATES", "STEP_REWARD_FORMS", "aggregate_step_scores", "best_of_n_expected_accuracy",
     "majority_vote_expected_accuracy", "monte_carlo_step_labels", "process_step_rewards",
+    "CORRECTION_LEVELS", "MISMATCH_MAX_KEYS", "correction_weights", "level_log_ratio", "masked_is_keep",
+    "mismatch_log_ratio", "mismatch_metrics", "mismatch_sums", "truncated_is_weights",
 ]

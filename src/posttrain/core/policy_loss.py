@@ -5,7 +5,7 @@ One signature for the whole family::
     fn(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
        delta=None, log_ratio_clamp=20.0, seq_log_ratio_clamp=None, ratio_level="token",
        tau_pos=1.0, tau_neg=1.05, kimi_tau=1.0, agg_mode="token-mean", num_tokens=None, num_seqs=None,
-       norm_constant=None, dp_size=1, count_empty_rows=False, seq_mask=None)
+       norm_constant=None, dp_size=1, count_empty_rows=False, seq_mask=None, is_weights=None)
        -> (loss scalar, stats dict of detached scalars)
 
 All tensors are [B, T] except ``seq_mask`` [B]. The loss is a quantity to *minimise*
@@ -32,6 +32,9 @@ not a silent no-op):
 
 ``seq_mask`` (e.g. from ``offpolicy_sequence_mask``) zeroes whole sequences' terms while
 leaving the normalising counts unchanged, as in DeepSeek-V3.2's masked objective.
+``is_weights`` [B, T] (the train-inference correction, ``mismatch.correction_weights``)
+multiplies each token's term, detached; a weight of 0 drops the token from the loss and
+from the stats, again with the counts unchanged.
 
 Stats (over the valid, unmasked tokens of this call; peers' names in brackets):
   clip_frac_low       tokens whose gradient is cut by the lower clip (A < 0, r < 1 - eps_low)
@@ -106,7 +109,8 @@ def _signature() -> inspect.Signature:
     p = inspect.Parameter
     args = [p(name, p.POSITIONAL_OR_KEYWORD) for name in ("logp", "old_logp", "advantages", "mask")]
     options = [p(name, p.KEYWORD_ONLY, default=default) for name, default in _DEFAULTS.items()]
-    return inspect.Signature([*args, *options, p("seq_mask", p.KEYWORD_ONLY, default=None)])
+    masks = [p(name, p.KEYWORD_ONLY, default=None) for name in ("seq_mask", "is_weights")]
+    return inspect.Signature([*args, *options, *masks])
 
 
 _SIGNATURE = _signature()
@@ -144,7 +148,7 @@ def _check_values(o: PolicyLossOptions) -> None:
             raise ValueError(f"{name} must be > 0, got {getattr(o, name)!r}")
 
 
-def _validate(logp, old_logp, advantages, mask, seq_mask):
+def _validate(logp, old_logp, advantages, mask, seq_mask, is_weights=None):
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     check_shape("mask", mask, logp.shape, "logp")
@@ -163,6 +167,10 @@ def _validate(logp, old_logp, advantages, mask, seq_mask):
     if seq_mask is not None:
         check_shape("seq_mask", seq_mask, logp.shape[:1], "logp[:, 0]")
         used = valid & valid_mask(seq_mask).unsqueeze(-1)
+    if is_weights is not None:
+        check_shape("is_weights", is_weights, logp.shape, "logp")
+        check_finite("is_weights", is_weights, mask)
+        used = used & (is_weights > 0)
     return logp, old_logp, advantages, used
 
 
@@ -175,7 +183,7 @@ def _policy_loss(name: str, *, uses: tuple[str, ...], needs_old: bool = True):
     unused = tuple(option for option in _LOSS_OPTIONS if option not in uses)
 
     def wrap(terms):
-        def loss_fn(logp, old_logp, advantages, mask, *, seq_mask=None, **options):
+        def loss_fn(logp, old_logp, advantages, mask, *, seq_mask=None, is_weights=None, **options):
             unknown = sorted(set(options) - set(_DEFAULTS))
             if unknown:
                 raise TypeError(f"policy loss {name!r} got unknown option(s) {unknown}; options: {sorted(_DEFAULTS)}")
@@ -184,8 +192,10 @@ def _policy_loss(name: str, *, uses: tuple[str, ...], needs_old: bool = True):
             _check_values(o)
             if needs_old and old_logp is None:
                 raise ValueError(f"policy loss {name!r} needs old_logp (log-probs of the sampling policy)")
-            logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask)
+            logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask, is_weights)
             loss_mat, stats = terms(logp, old_logp, advantages.detach(), mask, used, o)
+            if is_weights is not None:
+                loss_mat = loss_mat * torch.where(used, is_weights.detach(), torch.zeros_like(is_weights))
             # Terms of masked-out sequences are zeroed, but the counts come from the full ``mask``.
             loss_mat = torch.where(used, loss_mat, torch.zeros_like(loss_mat))
             aggregation = {k: getattr(o, k) for k in _AGGREGATION_OPTIONS}

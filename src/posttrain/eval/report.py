@@ -144,6 +144,21 @@ COLUMNS = (
     ("train s", lambda r: _scaled(r, "train_seconds"), ".0f"),
 )
 HEADER = [name for name, _, _ in COLUMNS]
+# summary.json's count of rollout batches over rollout.mismatch_budget: a run with any is invalid
+OVER_BUDGET = "rollout/mismatch/over_budget_batches"
+
+
+def over_budget(run: dict) -> int:
+    """Rollout batches of a run whose sampler/trainer mismatch was over its budget (0: valid)."""
+    return int(run.get(OVER_BUDGET) or 0)
+
+
+def validity(members: list[dict]) -> str:
+    """'yes', or which of a choice's runs went over their mismatch budget: the choice is invalid."""
+    invalid = sum(over_budget(run) > 0 for run in members)
+    if not invalid:
+        return "yes"
+    return f"**invalid** ({invalid} of {len(members)})" if len(members) > 1 else "**invalid**"
 
 
 def choice_rows(groups: dict[tuple, list[dict]]) -> list[list[str]]:
@@ -152,14 +167,14 @@ def choice_rows(groups: dict[tuple, list[dict]]) -> list[list[str]]:
     for key, members in groups.items():
         seeds = ",".join(choice_value(run, "seed") for run in members if choice_value(run, "seed"))
         table.append(list(key) + [str(len(members)), seeds] +
-                     [mean_std([value(run) for run in members], fmt) for _, value, fmt in COLUMNS])
+                     [mean_std([value(run) for run in members], fmt) for _, value, fmt in COLUMNS] + [validity(members)])
     return table
 
 
 def rows(runs: list[dict], by: list[str]) -> list[list[str]]:
     """One row per run: the values of `by`, then each column (the sweep_table layout)."""
     return [[choice_value(run, k) for k in by] + [mean_std([value(run)], fmt) for _, value, fmt in COLUMNS]
-            for run in runs]
+            + [validity([run])] for run in runs]
 
 
 def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
@@ -179,6 +194,7 @@ PANELS = (
     ("kl", "KL to the reference", ("policy/kl",), 1.0),
     ("entropy", "entropy (nats / token)", ("policy/entropy",), 1.0),
     ("clip_fraction", "clip fraction", ("policy/clip_frac",), 1.0),
+    ("mismatch_kl", "sampler-trainer mismatch KL", ("rollout/mismatch/kl",), 1.0),
 )
 
 
@@ -319,8 +335,19 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
         "before and after training (summary.json). Each cell: mean ± sample standard deviation "
         "over the choice's seeds (n runs); a single run shows its value alone.",
         "",
-        *markdown_table(by + ["n", "seeds"] + HEADER, choice_rows(groups)),
+        *markdown_table(by + ["n", "seeds"] + HEADER + ["valid"], choice_rows(groups)),
         "",
+    ]
+    invalid = [run for run in runs if over_budget(run)]
+    if invalid:
+        lines += [
+            "**Invalid runs.** The sampler and the trainer disagreed beyond `rollout.mismatch_budget` in "
+            + ", ".join(f"{run['path'].name} ({over_budget(run)} rollout batches)" for run in invalid)
+            + ": their updates were trained on a distribution other than the one the trainer scores "
+            "(rollout/mismatch/*). A choice with an invalid run is marked invalid; do not compare it as it is.",
+            "",
+        ]
+    lines += [
         "## Curves",
         "",
     ]
@@ -345,7 +372,7 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
         "",
         "## Runs",
         "",
-        *markdown_table(["job"] + per_run_keys + HEADER,
+        *markdown_table(["job"] + per_run_keys + HEADER + ["valid"],
                         [[run["path"].name] + row for run, row in zip(runs, rows(runs, per_run_keys))]),
         "",
     ]

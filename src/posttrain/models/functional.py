@@ -263,12 +263,33 @@ class FusedWeights(DecoderWeights):
     only (not FSDP2 shards).
 
     Holds one extra copy of the q/k/v/gate/up projections, for the duration of one
-    ``generate`` call.
+    ``generate`` call. With ``dtype`` (the sampler's own precision, ``rollout.dtype``) every
+    weight the decoder reads is a copy in that dtype, rounded once from the model's: a
+    bfloat16 sampler for a float32 policy, as an inference engine would hold it.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         super().__init__(model, allow_sharded=False)
         self.layers = [self.fuse(layer) for layer in self.blocks]
+        if dtype is not None and dtype != self.embed.dtype:
+            self.cast_to(dtype)
+
+    def cast_to(self, dtype: torch.dtype) -> None:
+        """Every weight in ``dtype`` (the norms' floors stay float32 scalars); a tied LM head
+        stays one tensor with the embedding."""
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(dtype)
+
+        tied = self.lm_head is self.embed
+        self.embed = cast(self.embed)
+        self.lm_head = self.embed if tied else cast(self.lm_head)
+        self.lm_head_bias, self.final_gain = cast(self.lm_head_bias), cast(self.final_gain)
+        for layer in self.layers:
+            for name in ("w_qkv", "b_qkv", "b_o", "w_gate_up", "b_gate_up", "b_down"):
+                setattr(layer, name, cast(getattr(layer, name)))
+            # the transposed views become contiguous copies of the transposes: addmm reads them as before
+            layer.w_o_t = cast(layer.w_o_t.t()).t()
+            layer.w_down_t = cast(layer.w_down_t.t()).t()
 
 
 def prompt_group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
@@ -342,8 +363,9 @@ class FunctionalDecoder:
     Holds the KV cache of exactly one batch: build a new one per ``generate`` call.
     """
 
-    def __init__(self, model: nn.Module, batch_size: int, max_len: int, weights: FusedWeights | None = None):
-        self.w = weights if weights is not None else FusedWeights(model)
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int, weights: FusedWeights | None = None,
+                 dtype: torch.dtype | None = None):
+        self.w = weights if weights is not None else FusedWeights(model, dtype)
         self.dtype = self.w.embed.dtype
         self.device = self.w.embed.device
         self.num_heads, self.num_kv_heads, self.head_dim = self.w.num_heads, self.w.num_kv_heads, self.w.head_dim

@@ -45,6 +45,9 @@ class SamplingParams:
     greedy: bool = False
     return_support: bool = False  # fill RolloutBatch.support_size / support_logprobs
     repetition: Optional[RepetitionRule] = None  # stop looping rows (repetition.py); None: off
+    # sample with the weights rounded to this dtype (rollout.dtype: a bf16 sampler for an fp32
+    # policy, as an inference engine would run it); None: the model's own. rollout=fast only.
+    weights_dtype: Optional[torch.dtype] = None
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:

@@ -82,10 +82,14 @@ class FastSampler:
         with eval_mode(model):
             reason = unsupported_reason(model) if self.use_functional else "use_functional=False"
             if reason is None:
-                decoder = FunctionalDecoder(model, batch, plen + params.max_new_tokens)
+                decoder = FunctionalDecoder(model, batch, plen + params.max_new_tokens, dtype=params.weights_dtype)
                 logits = decoder.prefill(prompt_ids, prompt_mask)
                 step = decoder.step
             else:
+                if params.weights_dtype is not None:
+                    raise ValueError(f"rollout.dtype={str(params.weights_dtype).removeprefix('torch.')} needs the "
+                                     f"fused sampling path, which cannot run this model: {reason}; use "
+                                     f"rollout.dtype=auto")
                 if self.use_functional and reason not in self._warned:
                     self._warned.add(reason)
                     log.warning("rollout=fast: generic HF loop (slower) because %s", reason)

@@ -63,6 +63,9 @@ class HFSampler:
         generator: Optional[torch.Generator] = None,
     ) -> RolloutBatch:
         params.validate()
+        if params.weights_dtype is not None:
+            raise ValueError("rollout=hf samples with the policy's own weights: rollout.dtype must be auto "
+                             "(rollout=fast samples in another precision)")
         check_prompts(prompt_ids, prompt_mask)
         eos = eos_tensor(eos_token_id, prompt_ids.device)
         sampling = {}
