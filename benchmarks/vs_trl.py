@@ -757,10 +757,29 @@ def step_mode(args, out: Path) -> dict:
     return summary
 
 
+def combined_curves(paths: list[str]) -> dict[str, list[list[dict]]]:
+    """The curves of earlier runs: each path an accuracy worker's json (`framework`, `curve`) or an
+    accuracy.json (`curves` by framework), e.g. seeds run apart with different memory options."""
+    curves: dict[str, list[list[dict]]] = {framework: [] for framework in FRAMEWORKS}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if "curves" in data:
+            for framework, runs in data["curves"].items():
+                curves[framework] += runs
+        else:
+            curves[data["framework"]].append(data["curve"])
+    missing = [framework for framework, runs in curves.items() if not runs]
+    if missing:
+        raise SystemExit(f"--combine: no curve of {', '.join(missing)} in {', '.join(paths)}")
+    return curves
+
+
 def accuracy_mode(args, out: Path) -> dict:
     kl = args.kl_list[0]
     curves: dict[str, list[list[dict]]] = {framework: [] for framework in FRAMEWORKS}
-    for index, seed in enumerate(args.seed_list):
+    if args.combine:
+        curves = combined_curves(args.combine)
+    for index, seed in enumerate([] if args.combine else args.seed_list):
         for framework in FRAMEWORKS if index % 2 == 0 else FRAMEWORKS[::-1]:
             curve = run_worker(framework, kl, "accuracy", seed, args, out)["curve"]
             curves[framework].append(curve)
@@ -823,6 +842,9 @@ def parse_args(argv=None):
                              "gradient_accumulation_steps and steps_per_generation = rows / this)")
     parser.add_argument("--host-mmap-threshold-kib", type=int, default=None,
                         help="posttrain only: its host_mmap_threshold_kib (freed host memory returned at once)")
+    parser.add_argument("--combine", nargs="+", metavar="JSON",
+                        help="accuracy mode: summarise and plot earlier runs instead of running workers (accuracy "
+                             "workers' --json files, or accuracy.json files)")
     parser.add_argument("--posttrain-override", action="append", metavar="KEY=VALUE",
                         help="posttrain only: one more config override (repeatable), e.g. rollout.dtype=bfloat16 "
                              "to sample in bf16 from the fp32 policy")

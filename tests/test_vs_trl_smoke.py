@@ -138,3 +138,24 @@ def test_accuracy_summary_finds_when_posttrain_reaches_trls_final_accuracy(vs_tr
     assert [p["accuracy"] for p in summary["posttrain"]["mean_curve"]] == pytest.approx([0.2, 0.3, 0.5, 0.6])
     assert summary["posttrain_reaches_trl_final_s"] == 12
     assert summary["trl_total_s"] == pytest.approx(30.5)
+
+
+def test_combine_reads_worker_files_and_earlier_summaries(vs_trl, tmp_path):
+    """--combine: seeds run apart (TRL's with other memory options) are summarised as one race."""
+    import json
+
+    def curve(*points):
+        return [{"train_s": t, "step": i, "accuracy": a} for i, (t, a) in enumerate(points)]
+
+    earlier = tmp_path / "accuracy.json"
+    earlier.write_text(json.dumps({"curves": {"posttrain": [curve((0, 0.2), (10, 0.5))],
+                                              "trl": [curve((0, 0.2), (40, 0.3))]}}))
+    workers = []
+    for framework, points in (("posttrain", ((0, 0.2), (12, 0.6))), ("trl", ((0, 0.2), (38, 0.5)))):
+        workers.append(tmp_path / f"{framework}.json")
+        workers[-1].write_text(json.dumps({"framework": framework, "curve": curve(*points)}))
+    curves = vs_trl.combined_curves([str(earlier), *map(str, workers)])
+    assert [len(curves[framework]) for framework in ("posttrain", "trl")] == [2, 2]
+    assert vs_trl.summarise_accuracy(curves)["trl"]["final_accuracy"] == pytest.approx(0.4)
+    with pytest.raises(SystemExit, match="no curve of trl"):
+        vs_trl.combined_curves([str(workers[0])])
