@@ -73,8 +73,7 @@ def measure(model, tokenizer, prompt_ids, prompt_mask, dtype: str, seeds: list[i
         log_ratio = core.mismatch_log_ratio(trainer, sampler, mask)
         for name, options in corrections.items():
             for key, value in core.mismatch_sums(log_ratio, mask, **options).items():
-                previous = sums.setdefault(name, {}).get(key, 0.0)
-                sums[name][key] = max(previous, float(value)) if key in core.MISMATCH_MAX_KEYS else previous + float(value)
+                core.accumulate_mismatch_sum(sums.setdefault(name, {}), key, float(value))
     row = core.mismatch_metrics(sums["none"])
     row["tokens"] = int(sums["none"]["tokens"])
     for level in LEVELS:

@@ -699,7 +699,8 @@ def plot_accuracy(curves: dict[str, list[list[dict]]], summary: dict, path: Path
                    label="TRL's final mean accuracy")
     ax.set_xlabel("training wall-clock (s, evaluation excluded)")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title("GRPO from the same SFT start: posttrain vs TRL 1.16")
+    ax.set_title("GRPO from the same start (the SFT warm start, or a pretrained model): posttrain vs TRL 1.16",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

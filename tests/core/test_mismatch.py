@@ -414,3 +414,16 @@ def test_peer_metrics_match():
     # verl counts sequence-level capping per sequence (1 of 4 rows); ours per token (3 of 13 tokens)
     seq = mismatch_metrics(mismatch_sums(lr, PEER_MASK, tis="sequence"))
     assert seq["capped_frac"] == pytest.approx(3 / 13) and VERL_SEQ_FRACTION_HIGH == 0.25
+
+
+def test_accumulate_mismatch_sum_adds_sums_and_keeps_the_largest_max():
+    from posttrain.core import accumulate_mismatch_sum
+
+    total: dict[str, float] = {}
+    for part in ({"tokens": 3.0, "kl": 0.5, "abs_log_ratio_max": 0.2},
+                 {"tokens": 2.0, "kl": 0.25, "abs_log_ratio_max": 0.7},
+                 {"tokens": 1.0, "kl": 0.0, "abs_log_ratio_max": 0.1}):
+        for key, value in part.items():
+            accumulate_mismatch_sum(total, f"policy/mismatch_sum/{key}", value)  # a prefix is allowed
+    assert total == {"policy/mismatch_sum/tokens": 6.0, "policy/mismatch_sum/kl": 0.75,
+                     "policy/mismatch_sum/abs_log_ratio_max": 0.7}

@@ -39,6 +39,7 @@ GRIDS = {
     "advantage_estimators": (["advantage", "seed"], 12),
     "grpo_vs_ppo": (["experiment", "seed"], 6),
     "prm_vs_outcome": (["experiment", "seed"], 6),
+    "mismatch": (["rollout.dtype", "rollout.correction.tis", "seed"], 12),
 }
 
 

@@ -65,7 +65,8 @@ from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.experience import Experience
 from posttrain.models.forward import (lm_head_weights, logprobs_from_hidden, sequence_hidden_states, sequence_logits,
                                       sequence_logprobs)
-from posttrain.algorithms.terms import MISMATCH_SUMS, DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm, ValueTerm
+from posttrain.algorithms.terms import (MISMATCH_SUMS, DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm,
+                                        ValueTerm)
 from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
 from posttrain.data.steps import source_step_rule
@@ -530,7 +531,7 @@ class OnlineRLModule(PosttrainModule):
                 stats = self.minibatch_step(exp.select(rows.sort().values), train_policy, stand_in)
                 for k, v in stats.items():
                     if MISMATCH_SUMS in k:
-                        add_mismatch_sum(mismatch, k.rsplit("/", 1)[1], v)
+                        core.accumulate_mismatch_sum(mismatch, k.rsplit("/", 1)[1], v)
                         continue
                     totals[k] = totals.get(k, 0.0) + v
                     updates[k] = updates.get(k, 0) + 1
@@ -612,7 +613,7 @@ class OnlineRLModule(PosttrainModule):
             share = float(part_mask.sum() / num_tokens.clamp(min=1))
             for k, v in stats.items():
                 if MISMATCH_SUMS in k:
-                    add_mismatch_sum(sums, k, v)
+                    core.accumulate_mismatch_sum(sums, k, v)
                 else:
                     sums[k] = sums.get(k, 0.0) + v * (1.0 if k in GLOBAL_STATS else share)
         if train_policy and self.ptx_coef:
@@ -801,14 +802,6 @@ class OnlineRLModule(PosttrainModule):
         if not torch.isnan(exp.correct).any():
             metrics["rollout/accuracy"] = float(exp.correct.mean())
         return metrics
-
-
-def add_mismatch_sum(sums: dict[str, float], key: str, value: float) -> None:
-    """Add one micro-batch's mismatch sum into `sums` (its maximum, for the max keys)."""
-    if key.rsplit("/", 1)[-1] in core.MISMATCH_MAX_KEYS:
-        sums[key] = max(sums.get(key, 0.0), value)
-    else:
-        sums[key] = sums.get(key, 0.0) + value
 
 
 def process_reward_of(reward_fn):

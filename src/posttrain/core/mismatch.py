@@ -210,6 +210,16 @@ def mismatch_sums(
     }
 
 
+def accumulate_mismatch_sum(total: dict[str, float], key: str, value: float) -> None:
+    """Add one micro-batch's (or rank's) sum `value` of ``mismatch_sums`` into ``total[key]``;
+    a key ending in one of ``MISMATCH_MAX_KEYS`` (a prefix such as ``policy/mismatch_sum/`` may
+    precede it) keeps the larger value instead."""
+    if key.rsplit("/", 1)[-1] in MISMATCH_MAX_KEYS:
+        total[key] = max(total.get(key, 0.0), value)
+    else:
+        total[key] = total.get(key, 0.0) + value
+
+
 def mismatch_metrics(sums: dict) -> dict[str, float]:
     """From (reduced) sums: abs_log_ratio_mean, abs_log_ratio_max, kl, capped_frac, masked_frac,
     ess (means over tokens; 0 and ess 1 when tokens == 0)."""

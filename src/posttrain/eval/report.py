@@ -167,7 +167,8 @@ def choice_rows(groups: dict[tuple, list[dict]]) -> list[list[str]]:
     for key, members in groups.items():
         seeds = ",".join(choice_value(run, "seed") for run in members if choice_value(run, "seed"))
         table.append(list(key) + [str(len(members)), seeds] +
-                     [mean_std([value(run) for run in members], fmt) for _, value, fmt in COLUMNS] + [validity(members)])
+                     [mean_std([value(run) for run in members], fmt) for _, value, fmt in COLUMNS]
+                     + [validity(members)])
     return table
 
 
