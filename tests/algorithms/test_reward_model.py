@@ -69,6 +69,9 @@ def test_scores_are_the_head_at_each_rows_last_token_and_the_loss_is_bradley_ter
 
 
 def test_a_few_steps_fit_a_tiny_batch_to_full_pair_accuracy():
+    # the score head is initialised from the global RNG: seeded here, so the outcome does not
+    # depend on which tests ran before in this process (in CI one order left a pair unseparated)
+    torch.manual_seed(0)
     pairs = arithmetic_pairs(8)
     module = make_module(compose_config(list(SMALL_MODEL)).model, pairs)
     module.log = module.log_dict = lambda *a, **k: None
