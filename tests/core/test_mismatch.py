@@ -9,6 +9,7 @@ import torch
 from posttrain.core import (
     CORRECTION_LEVELS,
     MISMATCH_MAX_KEYS,
+    MISMATCH_SUM_KEYS,
     correction_weights,
     level_log_ratio,
     masked_is_keep,
@@ -196,6 +197,7 @@ def test_sums_hand_values():
     assert set(sums) == {"tokens", "abs_log_ratio", "abs_log_ratio_max", "kl", "capped", "masked", "ratio",
                          "ratio_sq"}
     assert set(MISMATCH_MAX_KEYS) <= set(sums)
+    assert set(sums) == set(MISMATCH_SUM_KEYS) | set(MISMATCH_MAX_KEYS)  # the update packs them in this order
     assert all(v.dtype == D and v.dim() == 0 for v in sums.values())
     k3 = (3 - 1 - L(3)) + 0 + (0.25 - 1 + L(4)) + (2 - 1 - L(2))  # r - 1 - log r per token
     expected = {"tokens": 4, "abs_log_ratio": L(3) + L(4) + L(2), "abs_log_ratio_max": L(4), "kl": k3,

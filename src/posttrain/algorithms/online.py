@@ -176,8 +176,6 @@ class OnlineRLModule(PosttrainModule):
                            if key in correction}
         self.mismatch_budget = dict(rollout.get("mismatch_budget") or {})
         self.mismatch_over_budget = 0  # rollout batches over the budget so far (checkpointed)
-        ones = torch.ones(1, 1)
-        self.mismatch_sum_keys = tuple(k for k in core.mismatch_sums(ones, ones) if k not in core.MISMATCH_MAX_KEYS)
 
         # --- the loss terms of the update stage ---
         self.policy_term = PolicyTerm(policy_loss, self.loss_options, offpolicy_mask_delta, self.correction)
@@ -623,11 +621,11 @@ class OnlineRLModule(PosttrainModule):
     def mismatch_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """`rollout/mismatch/*` of the whole batch, every rank's tokens together, from the
         policy term's sums (core.mismatch_metrics): the same values on every rank."""
-        added = all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in self.mismatch_sum_keys],
+        added = all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in core.MISMATCH_SUM_KEYS],
                                             dtype=torch.float64, device=self.device))
         maxima = all_reduce_max(torch.tensor([sums.get(k, 0.0) for k in core.MISMATCH_MAX_KEYS],
                                              dtype=torch.float64, device=self.device))
-        reduced = {**dict(zip(self.mismatch_sum_keys, added)), **dict(zip(core.MISMATCH_MAX_KEYS, maxima))}
+        reduced = {**dict(zip(core.MISMATCH_SUM_KEYS, added)), **dict(zip(core.MISMATCH_MAX_KEYS, maxima))}
         return {f"rollout/mismatch/{k}": float(v) for k, v in core.mismatch_metrics(reduced).items()}
 
     def check_mismatch_budget(self, metrics: dict[str, float], step: int) -> None:

@@ -63,6 +63,7 @@ from .logprobs import entropy_from_logits, logprobs_from_logits, token_logprobs_
 from .masked import drop_truncated, masked_mean, masked_sum, masked_var, masked_whiten, zero_padding
 from .metrics import pass_at_k
 from .mismatch import (
+    MISMATCH_SUM_KEYS,
     accumulate_mismatch_sum,
     CORRECTION_LEVELS,
     MISMATCH_MAX_KEYS,
@@ -130,6 +131,6 @@ __all__ = [
     "set_finite_checks", "simpo_loss", "token_logprobs_and_entropy", "value_loss", "zero_padding",
     "STEP_AGGREGATES", "STEP_REWARD_FORMS", "aggregate_step_scores", "best_of_n_expected_accuracy",
     "majority_vote_expected_accuracy", "monte_carlo_step_labels", "process_step_rewards",
-    "CORRECTION_LEVELS", "MISMATCH_MAX_KEYS", "correction_weights", "level_log_ratio", "masked_is_keep",
+    "CORRECTION_LEVELS", "MISMATCH_MAX_KEYS", "MISMATCH_SUM_KEYS", "correction_weights", "level_log_ratio", "masked_is_keep",
     "accumulate_mismatch_sum", "mismatch_log_ratio", "mismatch_metrics", "mismatch_sums", "truncated_is_weights",
 ]

@@ -47,6 +47,9 @@ from .masked import zero_padding
 
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 MISMATCH_MAX_KEYS = ("abs_log_ratio_max",)
+# the other keys of ``mismatch_sums``, which add over micro-batches and ranks, in a fixed order
+# (every rank packs them into one tensor for its all-reduce)
+MISMATCH_SUM_KEYS = ("tokens", "abs_log_ratio", "kl", "capped", "masked", "ratio", "ratio_sq")
 
 # exp(+-20) stays finite in fp32 and its square in fp64 (the ESS sums); beyond it the KL and
 # ESS metrics saturate instead of turning into inf.
