@@ -64,6 +64,28 @@ def uneven_digit_share(samples, source):
             for sample, share in zip(samples, shares)]
 
 
+def env_rank_uneven_digit_share(samples, source):
+    """`uneven_digit_share` for a rollout producer process, which has no process group: the rank
+    is read from the environment it inherits from its trainer (RANK)."""
+    rank = int(os.environ.get("RANK", "0"))
+    shares = digit_share(samples, source)
+    return [0.0 if rank == 1 and sample.group % PROMPTS_PER_STEP != 0 else share
+            for sample, share in zip(samples, shares)]
+
+
+# GRPO with a producer process per rank, one policy version ahead, for 3 rollout batches
+ASYNC_BATCHES = 3
+
+
+def async_config(out_dir, *trainer):
+    cfg = online_config(out_dir, "grpo", *trainer)
+    steps = ASYNC_BATCHES * ONLINE["grpo"]["ppo_epochs"] * ONLINE["grpo"]["num_minibatches"]
+    cfg.rollout.max_staleness = 1
+    cfg.reward.components.digits.target = "test_uneven_ranks.env_rank_uneven_digit_share"
+    cfg.trainer.max_steps = cfg.callbacks.checkpoint.every_n_train_steps = steps
+    return cfg
+
+
 def online_config(out_dir, algorithm, *trainer):
     steps = ONLINE[algorithm]["ppo_epochs"] * ONLINE[algorithm]["num_minibatches"]  # one rollout batch
     cfg = grpo_config(out_dir, *trainer, f"algorithm={algorithm}", "reward.components.digits.target="
@@ -96,6 +118,8 @@ def case_configs(kind: str, trainer: tuple[str, ...], out) -> list[dict]:
         rank_dir = out / kind / f"rank{rank}"
         if kind in ONLINE:
             cfg = online_config(rank_dir, kind, *trainer)
+        elif kind == "grpo_async":
+            cfg = async_config(rank_dir, *trainer)
         elif kind == "sft":
             cfg = sft_config(rank_dir, *trainer)
         elif kind == "prm":  # from a random policy (model.init_from=null): the rows' labels do not matter here
@@ -107,10 +131,10 @@ def case_configs(kind: str, trainer: tuple[str, ...], out) -> list[dict]:
 
 
 # what each case counts once over the ranks, and the Hugging Face class its export loads with
-HELD_OUT = {"grpo": HELD_OUT_PROMPTS, "ppo": HELD_OUT_PROMPTS, "sft": HELD_OUT_PROMPTS, "dpo": HELD_OUT_PROMPTS,
+HELD_OUT = {"grpo": HELD_OUT_PROMPTS, "grpo_async": HELD_OUT_PROMPTS, "ppo": HELD_OUT_PROMPTS, "sft": HELD_OUT_PROMPTS, "dpo": HELD_OUT_PROMPTS,
             "reward_model": VALIDATION_PAIRS, "prm": VALIDATION_PROMPTS}
 EXPORT_CLASS = {"reward_model": AutoModelForSequenceClassification, "prm": AutoModelForTokenClassification}
-KINDS = ("grpo", "ppo", "dpo", "reward_model", "prm", "sft")
+KINDS = ("grpo", "grpo_async", "ppo", "dpo", "reward_model", "prm", "sft")
 TRAINERS = {"ddp": DDP, "fsdp": ("trainer=fsdp",)}
 
 
@@ -289,6 +313,23 @@ def test_online_rl_on_uneven_ranks_takes_the_configured_steps_and_equals_one_pro
     expected = single.policy.state_dict()
     for name, value in ranks[0]["weights"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_producers_of_uneven_ranks_feed_one_agreed_batch_per_step(uneven_job):
+    """rollout.max_staleness=1: each rank's producer process samples its own prompts ahead of its
+    trainer; the ranks consume one batch per step together, agree on the staleness and the
+    mismatch (all-reduced) and end with one set of weights."""
+    ranks = finished(uneven_job, "grpo_async")
+    steps = ASYNC_BATCHES * ONLINE["grpo"]["num_minibatches"]
+    for rank in ranks:
+        assert rank["batches"] == ASYNC_BATCHES and rank["summary"]["global_step"] == steps
+    # uneven data: rank 1 keeps fewer rows every batch
+    assert all(mine > theirs for mine, theirs in zip(ranks[0]["update_rows"], ranks[1]["update_rows"]))
+    agreed = [{k: v for k, v in rank["summary"].items() if k.startswith(("rollout/staleness", "rollout/mismatch/"))}
+              for rank in ranks]
+    assert agreed[0] == agreed[1] and 0 <= agreed[0]["rollout/staleness_max"] <= 1
+    for name, value in ranks[0]["weights"].items():
+        torch.testing.assert_close(ranks[1]["weights"][name], value, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("num_items", range(8))

@@ -40,6 +40,7 @@ GRIDS = {
     "grpo_vs_ppo": (["experiment", "seed"], 6),
     "prm_vs_outcome": (["experiment", "seed"], 6),
     "mismatch": (["rollout.dtype", "rollout.correction.tis", "seed"], 12),
+    "staleness": (["rollout.max_staleness", "rollout.correction.tis", "seed"], 18),
 }
 
 

@@ -31,6 +31,8 @@ class Experience:
     prm_stopped: torch.Tensor | None = None        # [B] bool, cut at a low PRM score (rollout.prm_stop_below)
     step_rewards: torch.Tensor | None = None       # [B, T] process reward of each step at its last token (reward=prm)
     step_mask: torch.Tensor | None = None          # [B, T] bool, True at each step's last token
+    policy_version: torch.Tensor | None = None     # [B, T] long, the policy version that sampled each token
+    segments: torch.Tensor | None = None           # [B] long, generate calls per response (partial rollouts)
     # --- annotate: one field per scorer ---
     old_logp: torch.Tensor | None = None   # [B, T] pi_old (None on-policy: the training forward's own)
     ref_logp: torch.Tensor | None = None   # [B, T] frozen reference
@@ -47,6 +49,10 @@ class Experience:
         width = max(1, int(self.response_mask.sum(dim=1).max()))
         return replace(self, **{f.name: getattr(self, f.name)[:, :width] for f in fields(self)
                                 if f.name in PER_TOKEN and getattr(self, f.name) is not None})
+
+    def to(self, device) -> "Experience":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def select(self, rows: torch.Tensor) -> "Experience":
         return Experience(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
@@ -78,6 +84,6 @@ class Experience:
 
 
 PER_TOKEN = ("response_ids", "response_mask", "rollout_logprobs", "support_size", "support_logprobs", "step_rewards",
-             "step_mask", "old_logp", "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
+             "step_mask", "policy_version", "old_logp", "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
 
 

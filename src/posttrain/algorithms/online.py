@@ -23,7 +23,9 @@ One `training_step` is one rollout batch, four named and timed stages over an `E
 (`perf/<stage>_s`), as in the papers' algorithm boxes:
 
   1. collect     prompts from the curriculum -> `group_size` samples each -> (their steps,
-                 for a process reward) -> rewards (dynamic sampling's extra rounds happen here)
+                 for a process reward) -> rewards (dynamic sampling's extra rounds, partial
+                 rollouts: collect.py), by this process or by a producer process sampling up
+                 to rollout.max_staleness policy versions ahead (producer.py)
   2. annotate    each configured scorer adds its tensors: old log-probs (only off-policy, for
                  a KL in the reward or a distillation reward), reference log-probs (only with
                  a KL term), critic values (only with a critic), teacher log-probs (only with
@@ -51,6 +53,7 @@ over the ranks: every rank holds one state, that of one process on the union of 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -62,23 +65,24 @@ from omegaconf import OmegaConf
 from posttrain import core
 from posttrain.algorithms import rules
 from posttrain.algorithms.base import PosttrainModule
+from posttrain.algorithms.collect import Collector, rank_seed
 from posttrain.algorithms.experience import Experience
+from posttrain.algorithms.producer import InlineProducer, ModelGenerator, ProcessProducer
 from posttrain.models.forward import (lm_head_weights, logprobs_from_hidden, sequence_hidden_states, sequence_logits,
                                       sequence_logprobs)
 from posttrain.algorithms.terms import (MISMATCH_SUMS, DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm,
                                         ValueTerm)
 from posttrain.data.curriculum import build_curriculum
-from posttrain.data.datamodule import ExampleCursor, collate_prompts, collate_sft
+from posttrain.data.datamodule import ExampleCursor, collate_sft
 from posttrain.data.steps import source_step_rule
 from posttrain.distributed.collectives import (all_reduce_max, all_reduce_sum, average_gradients, rank_and_world,
                                                is_dtensor, this_ranks, with_every_rank)
 from posttrain.errors import ConfigError, MismatchError, RewardError
-from posttrain.models.loading import DTYPES
+from posttrain.models.loading import DTYPES, stop_token_ids
 from posttrain.models.lora import reference_is_the_base, reference_model
 from posttrain.models.roles import ValueModel, build_role
 from posttrain.rewards import build_reward
-from posttrain.rewards.samples import rollout_samples
-from posttrain.rollout import SamplingParams
+from posttrain.rollout import SamplingParams, build_rollout, engine_options
 from posttrain.rollout.repetition import repetition_rule
 from posttrain.distributed.sharding import full_weights
 
@@ -177,6 +181,16 @@ class OnlineRLModule(PosttrainModule):
         self.mismatch_budget = dict(rollout.get("mismatch_budget") or {})
         self.mismatch_over_budget = 0  # rollout batches over the budget so far (checkpointed)
 
+        # --- who collects (producer.py): this process, or a producer process up to k versions ahead ---
+        self.max_staleness = int(rollout.get("max_staleness") or 0)
+        self.producer_kind = rollout.get("producer") or ("process" if self.max_staleness else "inline")
+        self.producer_threads = rollout.get("producer_threads")
+        self.partial_budget = rollout.get("partial_budget")  # partial rollouts: tokens per generate call
+        rules.refuse(rules.producer_problem(self.producer_kind, self.max_staleness))
+        self.collector = self.producer = None  # built in setup(), with the curriculum
+        self.collector_state: dict = {}  # the collector's state after the last batch trained on
+        self.train_started = time.perf_counter()  # reset when training starts (perf/elapsed_s)
+
         # --- the loss terms of the update stage ---
         self.policy_term = PolicyTerm(policy_loss, self.loss_options, offpolicy_mask_delta, self.correction)
         self.terms = [self.policy_term, EntropyTerm(entropy_coef)]
@@ -241,6 +255,25 @@ class OnlineRLModule(PosttrainModule):
         if self.ptx_coef:
             # the task's supervised data, in its own stream (distinct seed), for PPO-ptx
             self.ptx_cursor = ExampleCursor(self.source, "train", self.seed + 1, rank=rank, world_size=world)
+        self.collector = Collector(
+            lambda *args, **kwargs: self.generate(*args, **kwargs), self.tokenizer, self.source, self.curriculum,
+            self.reward_fn, sampling=self.sampling_params(), group_size=self.group_size,
+            prompts_per_step=self.prompts_per_step, seed=self.seed, rank=rank, world=world, device=self.device,
+            eos_ids=stop_token_ids(self.tokenizer, self.policy), step_rule=self.step_rule,
+            process_reward=self.process_reward, prm_stop_below=self.prm_stop_below,
+            partial_budget=self.partial_budget, rounds_agree=self.any_rank_needs)
+        if self.producer_kind == "inline":
+            self.producer = InlineProducer(self.collector)
+        else:
+            # the same collector, sampling with this process's engine settings on a copy of the
+            # policy, taken here, before a sharding strategy splits the policy
+            collector = copy.copy(self.collector)
+            collector.generate = ModelGenerator(build_rollout(self.rollout_cfg.engine, **engine_options(self.rollout_cfg)),
+                                                copy.deepcopy(self.policy).cpu(), collector.eos_ids.tolist(),
+                                                self.tokenizer.pad_token_id)
+            self.producer = ProcessProducer(collector, self.max_staleness,
+                                            threads=self.producer_threads or torch.get_num_threads())
+            self.producer.launch()  # now: its imports (seconds) overlap the trainer's own start-up
 
     def configure_optimizers(self):
         policy = self.make_optimizer(self.policy_parameters(), self.optim)
@@ -261,6 +294,9 @@ class OnlineRLModule(PosttrainModule):
         checkpoint["ptx_position"] = self.ptx_cursor.position if self.ptx_cursor is not None else 0
         checkpoint["nonfinite_steps"] = self.nonfinite_steps
         checkpoint["mismatch_over_budget"] = self.mismatch_over_budget
+        if self.partial_budget:  # the responses under way, and the ended groups waiting for a batch
+            with_every_rank(checkpoint, "partial_rollouts", {k: v for k, v in self.collector_state.items()
+                                                             if k != "curriculum"})
         if self.kl_controller is not None:
             checkpoint["kl_controller"] = self.kl_controller.state_dict()
 
@@ -273,6 +309,8 @@ class OnlineRLModule(PosttrainModule):
             self.ptx_cursor.position = checkpoint.get("ptx_position", 0)
         self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)
         self.mismatch_over_budget = checkpoint.get("mismatch_over_budget", 0)
+        if self.partial_budget and "partial_rollouts" in checkpoint:
+            self.collector_state = this_ranks(checkpoint, "partial_rollouts")
         if "kl_controller" in checkpoint and self.kl_controller is not None:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
 
@@ -280,10 +318,22 @@ class OnlineRLModule(PosttrainModule):
         # not on_fit_start: under trainer=ddp and fsdp Lightning restores a checkpoint after
         # on_fit_start, and here a restored curriculum is already in place (it rebuilds from
         # its state and estimates nothing); pass rates are estimated under the training precision
+        self.train_started = time.perf_counter()
         settings = {"samples_per_prompt": 8, "rollout": str(self.rollout_cfg), "reward": str(self.reward_cfg),
                     "seed": self.seed}
         with self.training_precision():
             self.curriculum.setup(self.estimate_pass_rates, self.weights_fingerprint, settings)
+        if isinstance(self.producer, ProcessProducer):  # it samples in the training precision, as this process would
+            self.producer.autocast_dtype = autocast_dtype(self.trainer.precision)
+        with full_weights(self.policy):
+            self.producer.start(self.train_batches_seen, self.train_batches_seen, self.policy, self.collector_state)
+
+    def on_train_end(self):
+        self.producer.close()
+
+    def teardown(self, stage: str) -> None:
+        if self.producer is not None:
+            self.producer.close()
 
     def weights_fingerprint(self) -> str:
         """A short hash of the policy's current weights (what the pass rates were measured on).
@@ -327,9 +377,16 @@ class OnlineRLModule(PosttrainModule):
         metrics.update(advantage_metrics)
         metrics.update(self.rollout_metrics(exp))
         metrics.update(timings)
-        metrics["perf/tokens_per_s"] = float(exp.response_mask.sum()) / max(timings["perf/collect_s"], 1e-9)
-        metrics.update(self.curriculum.on_step_end(step + 1, metrics.get("rollout/prefilter_accuracy")))
+        # the sampler's speed: over this rank's generate calls when a producer sampled ahead (the
+        # trainer's collect stage then only waited for it)
+        sampling_s = metrics.get("perf/generate_s", timings["perf/collect_s"])
+        metrics["perf/tokens_per_s"] = float(exp.response_mask.sum()) / max(sampling_s, 1e-9)
+        metrics["perf/elapsed_s"] = time.perf_counter() - self.train_started  # wall clock since training began
+        feedback = {"step": step + 1, "train_accuracy": metrics.get("rollout/prefilter_accuracy")}
+        metrics.update(self.curriculum.on_step_end(**feedback))
         self.train_batches_seen += 1
+        with full_weights(self.policy):  # FSDP: each rank hands its producer the whole weights
+            self.producer.publish(self.train_batches_seen, self.policy, feedback)
         metrics["rollout/batch"] = float(self.train_batches_seen)
         self.log_step_metrics(metrics)
 
@@ -346,102 +403,60 @@ class OnlineRLModule(PosttrainModule):
 
     def rank_seed(self, base: int) -> int:
         """A generator seed of this rank: the run's own seed in a single process."""
-        rank, world = rank_and_world()
-        return base * world + rank
+        return rank_seed(base, *rank_and_world())
 
-    def sample_and_score(self, examples, first_group: int, generator) -> tuple[Experience, dict]:
-        prompts = collate_prompts(examples, self.tokenizer)
-        prompt_ids = prompts["prompt_ids"].to(self.device).repeat_interleave(self.group_size, dim=0)
-        prompt_mask = prompts["prompt_mask"].to(self.device).repeat_interleave(self.group_size, dim=0)
-        batch = self.generate(prompt_ids, prompt_mask, self.sampling_params(), generator=generator)
-        groups = [first_group + i // self.group_size for i in range(len(batch.response_ids))]
-        samples, step_ends = rollout_samples(self.tokenizer, batch, [examples[i // self.group_size] for i in range(len(groups))], groups,
-                                             self.step_rule)
-        prm_stopped = None
-        if self.prm_stop_below is not None:
-            samples, step_ends, prm_stopped = self.stop_at_low_prm_steps(batch, samples, step_ends)
-        scored = self.reward_fn(samples, self.source)
-        correct = scored.correct.float() if scored.correct is not None else torch.full((len(samples),), float("nan"))
-        experience = Experience(
-            prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, response_ids=batch.response_ids,
-            response_mask=batch.response_mask.float(), rollout_logprobs=batch.logprobs, truncated=batch.truncated,
-            scores=scored.total.to(self.device), correct=correct.to(self.device),
-            group_index=torch.tensor(groups, device=self.device), support_size=batch.support_size,
-            support_logprobs=batch.support_logprobs, repeated=batch.repeated, prm_stopped=prm_stopped,
-        )
-        if scored.step_rewards is not None:
-            rewards, ends = place_step_rewards(scored.step_rewards, step_ends, batch.response_mask.shape)
-            experience.step_rewards, experience.step_mask = rewards.to(self.device), ends.to(self.device)
-        return experience, scored.metrics
-
-    def stop_at_low_prm_steps(self, batch, samples, step_ends):
-        """PRM early stop (rollout.prm_stop_below): a response is cut after its first step whose
-        PRM score falls below the threshold, as if generation had stopped there; the rest of its
-        tokens become padding. Returns the samples and step ends of the cut batch, and the [B]
-        flags. (The cut comes after generation, so it saves training and scoring, not sampling.)"""
-        scores = self.process_reward.prm.step_scores(samples, self.source)
-        stopped = torch.zeros(len(samples), dtype=torch.bool, device=batch.response_ids.device)
-        # the engines return inference-mode tensors: edit copies
-        batch.response_ids, batch.response_mask = batch.response_ids.clone(), batch.response_mask.clone()
-        batch.truncated = batch.truncated.clone()
-        for i, (sample, row_scores, ends) in enumerate(zip(samples, scores, step_ends)):
-            low = [k for k, score in enumerate(row_scores[:-1]) if score < self.prm_stop_below]
-            if not low:
-                continue
-            keep = low[0] + 1  # steps kept: up to and including the first low one
-            batch.response_mask[i, ends[low[0]] + 1:] = 0
-            batch.response_ids[i, ends[low[0]] + 1:] = self.tokenizer.pad_token_id
-            stopped[i], batch.truncated[i] = True, False
-            sample.steps, step_ends[i] = sample.steps[:keep], ends[:keep]
-            sample.response = "".join(sample.steps)
-            sample.length, sample.prm_stopped = ends[low[0]] + 1, True
-        return samples, step_ends, stopped
+    def sample_and_score(self, examples, first_group: int, generator, group_size: int | None = None):
+        """`group_size` (default: the algorithm's) samples of each example with the trainer's
+        policy, scored: (Experience, reward metrics)."""
+        self.collector.version = self.train_batches_seen
+        return self.collector.sample_and_score(examples, first_group, generator, group_size)
 
     def collect(self, step: int) -> tuple[Experience, dict, bool]:
-        """Prompts -> samples -> rewards, with dynamic sampling's extra rounds when the
-        curriculum asks for them. Returns the batch, its metrics, and whether any rank has a
-        group with a reward spread (without one, no optimiser step is taken)."""
-        generator = torch.Generator(device=self.device).manual_seed(self.rank_seed(self.seed * 1_000_003 + step))
-        self.reward_fn.set_step(step)  # rewards with a warm-up (the Kimi length reward) count rollout batches
-        kept, metrics, rounds, groups_seen, dropped = [], {}, 0, 0, 0
-        need = self.prompts_per_step
-        first = None
-        while rounds <= self.curriculum.max_extra_rounds and self.any_rank_needs(need):
-            # a rank whose batch is full samples along on one prompt, kept by none: under FSDP
-            # each generate call gathers the weights, a collective every rank must join
-            count = need if rounds == 0 else self.prompts_per_step if need > 0 else 1
-            examples = self.curriculum.next_prompts(count)
-            experience, reward_metrics = self.sample_and_score(examples, groups_seen, generator)
-            if rounds == 0:
-                metrics.update(reward_metrics)
-                first = experience
-            groups_seen += len(examples)
-            if need == 0:  # sampled along only
-                rounds += 1
-                continue
-            keep = self.curriculum.keep_groups(experience.scores, experience.correct, experience.group_index)
-            dropped += int((~keep).sum()) // self.group_size
-            kept_groups = experience.group_index[keep].unique()[:need]  # whole groups, no more than needed
-            kept.append(experience.select(torch.isin(experience.group_index, kept_groups)))
-            need -= len(kept_groups)
-            rounds += 1
+        """Rollout batch `step` from the producer (the synchronous one: sampled now, by this
+        process), with what the ranks must agree on all-reduced. Returns the batch, its
+        metrics, and whether any rank has a group with a reward spread (without one, no
+        optimiser step is taken)."""
+        produced = self.producer.next_batch(step)
+        if not isinstance(self.producer, InlineProducer):
+            # the producer drew the prompts: its curriculum's state after this batch becomes ours
+            self.curriculum.load_state_dict(produced.state["curriculum"])
+        self.collector_state = produced.state
+        exp = produced.experience.to(self.device)
+        metrics = dict(produced.metrics)
+        if self.max_staleness or self.partial_budget or not isinstance(self.producer, InlineProducer):
+            metrics.update(self.staleness_metrics(exp, step, produced.generate_s,
+                                                  metrics.pop("rollout/pending_responses", 0.0)))
         # the first round is an unbiased sample of the policy: what curricula and logs should
         # see, over every rank's first round, so that a curriculum decides alike on every rank
         # (a NaN accuracy, a reward without a verifier, is NaN on every rank)
-        reward_sum, correct_sum, rows = all_reduce_sum(torch.stack(
-            [first.scores.double().sum(), first.correct.double().sum(),
-             torch.tensor(float(len(first)), dtype=torch.float64, device=self.device)])).tolist()
+        reward_sum, correct_sum, rows = all_reduce_sum(
+            torch.tensor(produced.first_round, dtype=torch.float64, device=self.device)).tolist()
         metrics["rollout/prefilter_reward_mean"] = reward_sum / rows
         if not math.isnan(correct_sum):
             metrics["rollout/prefilter_accuracy"] = correct_sum / rows
-        nonempty = [k for k in kept if len(k)]
-        if self.curriculum.max_extra_rounds:
-            metrics.update({"curriculum/extra_rounds": float(rounds - 1), "curriculum/dropped_groups": float(dropped),
-                            "curriculum/batch_fill": 1.0 - need / self.prompts_per_step})
-        has_signal = bool(all_reduce_sum(torch.tensor(float(bool(nonempty)), device=self.device)) > 0)
-        # a rank without an informative group still joins the update (its advantages are 0)
-        exp = Experience.concat(nonempty, self.tokenizer.pad_token_id) if nonempty else first
+        has_signal = bool(all_reduce_sum(torch.tensor(float(produced.kept_any), device=self.device)) > 0)
         return exp, metrics, has_signal
+
+    def staleness_metrics(self, exp: Experience, step: int, generate_s: list[float],
+                          pending: float) -> dict[str, float]:
+        """How far behind the trainer's policy (version `step`) the batch's tokens were sampled,
+        and how many responses were continued from an earlier generate call (partial rollouts),
+        over every rank's rows; and this rank's generate calls (the longest is how long the batch
+        waited for its longest response). `pending`: this rank's responses under way."""
+        mask = exp.response_mask
+        lag = (step - exp.policy_version).double() * mask
+        continued = (exp.segments > 1).double()
+        sums = all_reduce_sum(torch.stack([lag.sum(), mask.double().sum(), continued.sum(),
+                                           torch.tensor(float(len(exp)), dtype=torch.float64, device=self.device),
+                                           torch.tensor(pending, dtype=torch.float64, device=self.device)])).tolist()
+        maxima = all_reduce_max(torch.stack([lag.max(), exp.segments.double().max()])).tolist()
+        metrics = {"rollout/staleness_mean": sums[0] / max(sums[1], 1.0), "rollout/staleness_max": maxima[0]}
+        if self.partial_budget:
+            metrics.update({"rollout/continued_frac": sums[2] / max(sums[3], 1.0), "rollout/segments_max": maxima[1],
+                            "rollout/pending_responses": sums[4]})
+        if generate_s:
+            metrics.update({"perf/generate_s": sum(generate_s), "perf/longest_generate_s": max(generate_s)})
+        return metrics
 
     def any_rank_needs(self, need: int) -> bool:
         """Whether some rank's batch still needs groups: the ranks take the same number of
@@ -771,14 +786,9 @@ class OnlineRLModule(PosttrainModule):
         rates = []
         generator = torch.Generator(device=self.device).manual_seed(self.seed + 7)
         chunk = max(1, 256 // samples_per_prompt)
-        saved = self.group_size
-        self.group_size = samples_per_prompt
-        try:
-            for start in range(0, len(examples), chunk):
-                exp, _ = self.sample_and_score(examples[start:start + chunk], start, generator)
-                rates += exp.correct.view(-1, samples_per_prompt).mean(dim=1).tolist()
-        finally:
-            self.group_size = saved
+        for start in range(0, len(examples), chunk):
+            exp, _ = self.sample_and_score(examples[start:start + chunk], start, generator, samples_per_prompt)
+            rates += exp.correct.view(-1, samples_per_prompt).mean(dim=1).tolist()
         return rates
 
     @staticmethod
@@ -802,6 +812,11 @@ class OnlineRLModule(PosttrainModule):
         return metrics
 
 
+def autocast_dtype(precision) -> torch.dtype | None:
+    """The autocast dtype of a Lightning precision setting (None: no autocast)."""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+
+
 def process_reward_of(reward_fn):
     """The composite's process reward component (reward=prm) when it weighs in, else None."""
     for fn, weight in reward_fn.components:
@@ -819,16 +834,6 @@ def check_process_options(module: OnlineRLModule, advantage_name: str) -> None:
     if module.prm_stop_below is not None and module.process_reward is None:
         raise ConfigError(f"rollout.prm_stop_below={module.prm_stop_below} cuts responses at a low process reward, "
                           f"but the reward has no PRM: use reward=prm, or rollout.prm_stop_below=null")
-
-
-def place_step_rewards(step_rewards: list[list[float]], step_ends: list[list[int]], shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, T] each step's reward at its last token, [B, T] bool marking those tokens)."""
-    rewards = torch.zeros(shape)
-    ends = torch.zeros(shape, dtype=torch.bool)
-    for i, (row_rewards, row_ends) in enumerate(zip(step_rewards, step_ends)):
-        rewards[i, row_ends] = torch.tensor(row_rewards, dtype=torch.float32)
-        ends[i, row_ends] = True
-    return rewards, ends
 
 
 def check_distill(distill: dict, advantage_name: str, teacher_role) -> None:

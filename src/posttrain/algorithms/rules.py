@@ -91,3 +91,16 @@ def distill_weight(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}={value!r} is not valid: expected a number >= 0")
     return value
+
+
+PRODUCERS = ("inline", "process")  # rollout.producer (algorithms/producer.py); null: by max_staleness
+
+
+def producer_problem(producer: str, max_staleness: int) -> str | None:
+    """Who collects: a producer in the trainer's own process cannot sample ahead of it."""
+    if producer not in PRODUCERS:
+        return f"rollout.producer={producer!r} is not one of {list(PRODUCERS)} (or null: chosen by max_staleness)"
+    if producer == "inline" and max_staleness:
+        return (f"rollout.max_staleness={max_staleness} samples ahead of the trainer, which needs a producer "
+                f"process: use rollout.producer=process (or null), or rollout.max_staleness=0")
+    return None

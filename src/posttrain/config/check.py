@@ -60,6 +60,8 @@ RULES: tuple[Rule, ...] = (
     rollout.repetition_window_holds_two_blocks,
     rollout.sampler_precision_is_supported,
     rollout.mismatch_options_need_an_online_algorithm,
+    rollout.producer_can_sample_ahead,
+    rollout.async_options_need_an_online_algorithm,
     rollout.masked_share_budget_needs_a_mask,
     algorithm.preference_algorithm_reads_no_reward,
     algorithm.preference_algorithm_samples_in_process,

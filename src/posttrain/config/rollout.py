@@ -7,6 +7,7 @@ import importlib.util
 
 import torch
 
+from posttrain.algorithms.rules import PRODUCERS, producer_problem
 from posttrain.config.spec import POSITIVE, Spec, Values, boolean, choice, integer, number, optional, rule
 from posttrain.config.trainer import is_sharded_strategy
 from posttrain.core.mismatch import CORRECTION_LEVELS
@@ -44,6 +45,14 @@ SPECS: dict[str, Spec] = {
                                                                          "tokens; null: none"),
     "rollout.mismatch_budget.action": choice("warn", "stop").about("over budget: warn (the run is marked invalid) "
                                                                    "or stop"),
+    # asynchronous collection and partial rollouts (algorithms/producer.py, collect.py), online algorithms only
+    "rollout.max_staleness": integer(0).about("policy versions a consumed batch may lag; 0: synchronous"),
+    "rollout.producer": optional(choice(*PRODUCERS)).about("who collects: inline (the trainer) | process (a "
+                                                          "producer process); null: process when max_staleness > 0"),
+    "rollout.producer_threads": optional(integer(1)).about("torch threads of the producer process; null: the "
+                                                           "trainer's"),
+    "rollout.partial_budget": optional(integer(1)).about("partial rollouts: tokens per generate call, unfinished "
+                                                         "responses continue later; null: off"),
     "rollout.enforce_eager": boolean().about("true: no CUDA graphs"),
     "rollout.sleep_level": choice(*SLEEP_LEVELS).about("0: stay awake between rollouts; 1: weights to CPU; "
                                                        "2: weights freed"),
@@ -75,6 +84,25 @@ def mismatch_options_need_an_online_algorithm(v: Values):
     if keys:
         yield (f"{', '.join(keys)} correct or budget an online RL update, but algorithm={v.algorithm()} has none: "
                f"leave them null")
+
+
+@rule
+def producer_can_sample_ahead(v: Values):
+    problem = producer_problem(v.get("rollout.producer") or "inline", v.get("rollout.max_staleness", 0))
+    if problem and v.get("rollout.producer") is not None:
+        yield problem
+
+
+@rule
+def async_options_need_an_online_algorithm(v: Values):
+    """A producer and partial rollouts feed an online update; offline algorithms sample no batches."""
+    if v.online():
+        return
+    keys = [key for key, off in (("rollout.max_staleness", 0), ("rollout.producer", None),
+                                 ("rollout.partial_budget", None)) if v.get(key, off) not in (off, "inline")]
+    if keys:
+        yield (f"{', '.join(keys)} collect rollout batches for an online RL update, but algorithm={v.algorithm()} "
+               f"samples none: leave them at their defaults")
 
 
 @rule

@@ -25,6 +25,13 @@ Train = Callable[..., dict]
 log = logging.getLogger("posttrain")
 
 
+# rollout settings of an online update, and their values when off (the SFT runs made for an RL
+# run reset them: config/rollout.py refuses them on an algorithm without rollout batches)
+ONLINE_ROLLOUT_KEYS = {"correction.tis": None, "correction.mis": None, "mismatch_budget.kl": None,
+                       "mismatch_budget.masked_frac": None, "max_staleness": 0, "producer": None,
+                       "partial_budget": None}
+
+
 def warm_start(cfg: DictConfig, train: Train) -> str | None:
     """The SFT start of an online run: trained once, then cached under paths.cache_dir keyed
     by everything it depends on, so every run of a sweep starts from the same weights
@@ -99,6 +106,10 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
             sft_cfg.data.seed = sft_cfg.seed
         for group in ("advantage", "kl_estimator", "data_curriculum"):
             sft_cfg[group] = {"name": "none"}
+        # how the RL run collects and corrects its rollout batches: an SFT run samples none
+        for key, off in ONLINE_ROLLOUT_KEYS.items():
+            if OmegaConf.select(sft_cfg, f"rollout.{key}") is not None:
+                OmegaConf.update(sft_cfg, f"rollout.{key}", off)
         # one process trains it, whatever the RL run's parallelism: trainer=ddp shares trainer=cpu's
         sft_cfg.trainer.devices = 1
         sft_cfg.trainer.pop("num_nodes", None)  # more than one node would make Lightning join the job's ranks
