@@ -11,6 +11,8 @@ machine's 2 cores, two ways per seed, one after the other:
     sync     the synchronous pipeline (rollout.max_staleness=0), 2 torch threads
     async    rollout.max_staleness=1: a producer process with 1 thread samples while the
              trainer, with 1 thread, trains (one core each)
+    async_tis  the same, each token weighted by truncated IS for its staleness
+             (rollout.correction.tis=token; only with --modes ... async_tis)
 
 and reports rollout batches per minute (from the stage seconds of every batch after the
 first, which pays for the producer's start-up; and from the wall clock, evaluations
@@ -22,8 +24,9 @@ with and without `rollout.partial_budget` tokens per generate call: the share of
 continued from an earlier call, the longest generate call per batch (how long a batch waits
 for its longest response), the staleness the continuation brings, and held-out accuracy.
 
-Each run's directory (config, metrics.jsonl, summary.json) stays under --out; the tables go
-to stdout and <out>/<study>.json.
+Each run's directory (config, metrics.jsonl, summary.json) stays under --out (a run whose
+summary.json exists is read, not run again); the tables go to stdout and to
+<out>/async_<experiment>.json or <out>/partial<budget>.json.
 """
 
 from __future__ import annotations
@@ -91,10 +94,12 @@ def mean_of(rows: list[dict], key: str) -> float:
 
 
 def study_async(args) -> dict:
-    modes = {"sync": ([], 2), "async": (["rollout.max_staleness=1", "rollout.producer_threads=1"], 1)}
+    modes = {"sync": ([], 2), "async": (["rollout.max_staleness=1", "rollout.producer_threads=1"], 1),
+             "async_tis": (["rollout.max_staleness=1", "rollout.producer_threads=1", "rollout.correction.tis=token"], 1)}
     results = {}
-    for seed in args.seeds:  # the modes alternate: the machine's drift falls on both alike
-        for mode, (extra, threads) in modes.items():
+    for seed in args.seeds:  # the modes alternate: the machine's drift falls on all alike
+        for mode in args.modes:
+            extra, threads = modes[mode]
             overrides = [f"experiment={args.experiment}", f"trainer.max_steps={args.steps}",
                          f"trainer.val_check_interval={args.eval_every}", f"seed={seed}", *extra]
             data = read_run(run(f"{mode}_seed{seed}", overrides, threads, args.out))
@@ -115,7 +120,7 @@ def print_async(results: dict) -> None:
     for name, r in results.items():
         print(f"| {name} | {r['batches_per_min']:.1f} | {r['batches_per_min_wall']:.1f} | "
               f"{r['staleness_mean']:.2f} | {r['collect_s']:.3f} | {r['update_s']:.3f} | {r['command_s']:.0f} |")
-    for mode in ("sync", "async"):
+    for mode in dict.fromkeys(r["mode"] for r in results.values()):
         runs = [r for r in results.values() if r["mode"] == mode]
         if not runs:
             continue
@@ -164,6 +169,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
     parser.add_argument("--budget", type=int, default=8, help="partial: rollout.partial_budget")
     parser.add_argument("--experiment", default="grpo_tiny", help="async: the preset run both ways")
+    parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=("sync", "async", "async_tis"),
+                        help="async: the arms (async_tis: async with rollout.correction.tis=token)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     defaults = {"async": (200, 50, [0, 1, 2]), "partial": (60, 20, [0])}[args.study]
@@ -173,7 +180,8 @@ def main() -> None:
     args.out = (args.out or Path("benchmarks/results/async_rollouts")).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     results = study_async(args) if args.study == "async" else study_partial(args)
-    (args.out / f"{args.study}.json").write_text(json.dumps(results, indent=1))
+    name = f"partial{args.budget}" if args.study == "partial" else f"async_{args.experiment}"
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -85,3 +85,24 @@ def test_mismatch_benchmark_finds_no_gap_in_fp32_and_one_in_bf16(tmp_path, capsy
     assert fp32["abs_log_ratio_max"] < 1e-4 and fp32["kl"] < 1e-9
     assert bf16["abs_log_ratio_max"] > 1e-3 and bf16["kl"] > fp32["kl"]
     assert "| bfloat16 |" in capsys.readouterr().out
+
+
+def test_async_rollouts_benchmark_reads_throughput_and_curves_from_a_run(tmp_path):
+    """benchmarks/async_rollouts.py's reading of a run: batches per minute after the first batch
+    (stage seconds, and the wall clock), and held-out accuracy at each evaluation with its time."""
+    import json
+
+    bench = load_benchmark("async_rollouts")
+    rows = [{"step": 0, "eval/accuracy": 0.25}]
+    for batch in (1, 2, 3):  # the first batch waited 5 s for the producer; then 0.5 s of stages each
+        stage = 5.0 if batch == 1 else 0.5
+        rows.append({"step": batch, "rollout/batch": batch, "perf/collect_s": stage - 0.3, "perf/annotate_s": 0.1,
+                     "perf/advantages_s": 0.0, "perf/update_s": 0.2, "perf/elapsed_s": 5.0 + 0.6 * (batch - 1)})
+    rows.append({"step": 3, "eval/accuracy": 0.5})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    data = bench.read_run(tmp_path)
+    rates = bench.throughput(data["train"])
+    assert rates["batches_per_min"] == pytest.approx(60 * 2 / 1.0)  # batches 2 and 3: 0.5 s each
+    assert rates["batches_per_min_wall"] == pytest.approx(60 * 2 / 1.2)  # 0.6 s apart
+    assert bench.accuracy_at(data) == [{"batch": 0, "elapsed_s": 0.0, "accuracy": 0.25},
+                                       {"batch": 3, "elapsed_s": pytest.approx(6.2), "accuracy": 0.5}]
