@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 
 # the entry modules a server forks for (each runs fresh as __main__, so it is not preloaded)
-FORKED_MODULES = ("posttrain.train", "posttrain.eval.evaluate", "posttrain.eval.report")
+FORKED_MODULES = ("posttrain.train", "posttrain.eval.evaluate", "posttrain.eval.report",
+                  "posttrain.eval.sample_dataset")
 # the libraries the entry modules import, loaded once by the server
 PRELOADED = ("torch", "lightning", "transformers", "transformers.modeling_utils", "hydra", "omegaconf",
              "posttrain.models.loading", "posttrain.algorithms", "posttrain.run.boundary")

@@ -71,7 +71,7 @@ def expected_loss(loss, beta, gamma, smoothing, c, r, rc, rr, len_c, len_r, leng
     if loss == "ipo":
         h = (c - rc) / len_c - (r - rr) / len_r if length_normalize else (c - rc) - (r - rr)
         return (h - 1 / (2 * beta)) ** 2
-    h = beta * ((c - rc) - (r - rr))
+    h = beta * ((c - rc) / len_c - (r - rr) / len_r) if length_normalize else beta * ((c - rc) - (r - rr))
     if loss == "hinge":
         return max(0.0, 1 - h)
     return -(1 - smoothing) * math.log(torch.sigmoid(torch.tensor(h))) - smoothing * math.log(
@@ -79,7 +79,8 @@ def expected_loss(loss, beta, gamma, smoothing, c, r, rc, rr, len_c, len_r, leng
 
 
 @pytest.mark.parametrize("loss, overrides", [
-    ("dpo", ()), ("dpo", ("algorithm.label_smoothing=0.2",)), ("ipo", ()), ("ipo", ("numerics=trl",)),
+    ("dpo", ()), ("dpo", ("algorithm.label_smoothing=0.2",)), ("dpo", ("algorithm.length_normalize=true",)),
+    ("ipo", ()), ("ipo", ("numerics=trl",)),
     ("hinge", ("algorithm.beta=0.5",)), ("simpo", ()),
 ])
 def test_training_loss_is_the_formula_by_hand(loss, overrides):
@@ -203,7 +204,8 @@ def test_a_checkpoint_of_other_pairs_is_refused(tmp_path):
     (("algorithm=simpo", "kl_estimator=k3"), ["algorithm=simpo", "kl_estimator=k3"]),
     (("algorithm=dpo", "algorithm.gamma=0.5"), ["algorithm.gamma=0.5", "algorithm.loss=dpo"]),
     (("algorithm=ipo", "algorithm.label_smoothing=0.1"), ["algorithm.label_smoothing=0.1", "algorithm.loss=ipo"]),
-    (("algorithm=dpo", "+algorithm.length_normalize=true"), ["algorithm.length_normalize", "algorithm.loss=dpo"]),
+    (("algorithm=hinge", "+algorithm.length_normalize=true"), ["algorithm.length_normalize", "algorithm.loss=hinge"]),
+    (("algorithm=simpo", "+algorithm.length_normalize=true"), ["algorithm.length_normalize", "algorithm.loss=simpo"]),
     (("algorithm=dpo", "algorithm.label_smoothing=0.5"), ["algorithm.label_smoothing=0.5", "[0, 0.5)"]),
     (("algorithm=hinge", "algorithm.beta=0"), ["algorithm.beta=0"]),
     (("algorithm=dpo", "algorithm.loss=orpo"), ["algorithm.loss='orpo'"]),

@@ -46,3 +46,25 @@ def test_vllm_beside_a_preference_algorithm_is_refused():
 @pytest.mark.parametrize("algorithm", ["dpo", "ipo", "hinge", "simpo", "reward_model"])
 def test_the_preference_presets_pass_as_composed(algorithm):
     check_config(compose_config([f"algorithm={algorithm}"]), {"algorithm": algorithm})
+
+
+@pytest.mark.parametrize("overrides", [("algorithm=dpo", "algorithm.length_normalize=true"),
+                                       ("algorithm=ipo", "algorithm.length_normalize=true")])
+def test_length_normalised_dpo_and_ipo_are_accepted(overrides):
+    cfg = compose_config(list(overrides))
+    assert cfg.algorithm.length_normalize is True
+    check_config(cfg, {"algorithm": overrides[0].split("=")[1]})
+
+
+def test_dpo_is_not_length_normalised_by_default():
+    assert compose_config(["algorithm=dpo"]).algorithm.length_normalize is False
+
+
+@pytest.mark.parametrize("overrides, loss", [
+    (("algorithm=hinge", "+algorithm.length_normalize=true"), "hinge"),  # hinge has no length-normalised form
+    (("algorithm=simpo", "+algorithm.length_normalize=true"), "simpo"),  # simpo always normalises
+    (("algorithm=dpo", "algorithm.loss=hinge", "algorithm.length_normalize=true"), "hinge"),
+])
+def test_length_normalize_is_refused_where_it_means_nothing(overrides, loss):
+    message = refusal(*overrides)
+    assert "algorithm.length_normalize=true" in message and f"algorithm.loss={loss}" in message

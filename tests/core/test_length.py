@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from posttrain.core import dapo_overlong_penalty, kimi_length_reward
+from posttrain.core import dapo_overlong_penalty, kimi_length_reward, linear_length_penalty
 
 
 def test_kimi_length_reward_hand_values():
@@ -43,3 +43,24 @@ def test_dapo_overlong_penalty():
     assert hard.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0, -1.0, -1.0])
     with pytest.raises(ValueError, match="cache_len"):
         dapo_overlong_penalty(lengths, max_len=100, cache_len=200)
+
+
+def test_linear_length_penalty_hand_values():
+    lengths = torch.tensor([0, 4, 10, 32])
+    # per token: -0.01 * len
+    assert linear_length_penalty(lengths, coef=0.01).tolist() == pytest.approx([0.0, -0.04, -0.1, -0.32])
+    # per share of a budget of 32 tokens: -0.5 * len / 32
+    assert linear_length_penalty(lengths, coef=0.5, normalizer=32).tolist() == pytest.approx(
+        [0.0, -0.0625, -0.15625, -0.5])
+    # no group: the same length pays the same wherever it stands (unlike Kimi's group-relative reward)
+    assert linear_length_penalty(torch.tensor([7, 7]), coef=1.0).tolist() == [-7.0, -7.0]
+    assert linear_length_penalty(torch.tensor([4.0]), coef=0.0).tolist() == [0.0]
+
+
+def test_linear_length_penalty_errors():
+    with pytest.raises(ValueError, match="normalizer"):
+        linear_length_penalty(torch.tensor([1, 2]), coef=0.1, normalizer=0)
+    with pytest.raises(ValueError, match=r"lengths must be \[B\]"):
+        linear_length_penalty(torch.ones(2, 2), coef=0.1)
+    with pytest.raises(ValueError, match="lengths"):
+        linear_length_penalty(torch.tensor([1.0, float("nan")]), coef=0.1)

@@ -9,6 +9,7 @@ from posttrain.core.preference import (
     bradley_terry_loss,
     ensemble_lower_bound,
     ipo_loss,
+    per_token_log_ratios,
     preference_loss,
 )
 
@@ -96,6 +97,55 @@ def test_ipo_summed_vs_length_normalised_hand_values():
         "ipo", IC, IR, IRC, IRR, beta=beta, chosen_len=ones, rejected_len=ones, length_normalize=True,
     )
     assert unit.loss.item() == pytest.approx(summed.loss.item())
+
+
+def test_length_normalised_dpo_hand_values():
+    # log-ratios: chosen [4, -1], rejected [-3, 2]; lengths chosen [4, 2], rejected [6, 4]
+    # per token: chosen [4/4, -1/2] = [1, -0.5], rejected [-3/6, 2/4] = [-0.5, 0.5]
+    beta = 2.0
+    out = preference_loss("dpo", IC, IR, IRC, IRR, beta=beta, chosen_len=ILC, rejected_len=ILR,
+                          length_normalize=True)
+    # rewards beta * per-token log-ratio: chosen [2, -1], rejected [-1, 1]; margins [3, -2]
+    torch.testing.assert_close(out.chosen_rewards, torch.tensor([2.0, -1.0], dtype=D))
+    torch.testing.assert_close(out.rejected_rewards, torch.tensor([-1.0, 1.0], dtype=D))
+    # loss = mean(-log sigma(3), -log sigma(-2)) = (softplus(-3) + softplus(2)) / 2
+    assert out.loss.item() == pytest.approx((softplus(-3.0) + softplus(2.0)) / 2)
+    assert out.stats["rewards/margins"].item() == pytest.approx(0.5)
+    assert out.stats["rewards/accuracy"].item() == 0.5
+    # the summed form of the same pairs: margins beta * [7, -3] = [14, -6]
+    summed = preference_loss("dpo", IC, IR, IRC, IRR, beta=beta)
+    assert summed.loss.item() == pytest.approx((softplus(-14.0) + softplus(6.0)) / 2)
+    # cDPO label smoothing applies to the normalised margin
+    smoothed = preference_loss("dpo", IC, IR, IRC, IRR, beta=beta, chosen_len=ILC, rejected_len=ILR,
+                               length_normalize=True, label_smoothing=0.1)
+    want = (0.9 * (softplus(-3.0) + softplus(2.0)) + 0.1 * (softplus(3.0) + softplus(-2.0))) / 2
+    assert smoothed.loss.item() == pytest.approx(want)
+    # lengths of 1 reduce to plain DPO
+    ones = torch.ones(2, dtype=torch.long)
+    unit = preference_loss("dpo", IC, IR, IRC, IRR, beta=beta, chosen_len=ones, rejected_len=ones,
+                           length_normalize=True)
+    assert unit.loss.item() == pytest.approx(summed.loss.item())
+
+
+def test_length_normalised_dpo_gradient_matches_closed_form():
+    c = IC.clone().requires_grad_()
+    r = IR.clone().requires_grad_()
+    beta = 2.0
+    out = preference_loss("dpo", c, r, IRC, IRR, beta=beta, chosen_len=ILC, rejected_len=ILR, length_normalize=True)
+    out.loss.backward()
+    h = torch.tensor([3.0, -2.0], dtype=D)  # the margins above
+    # d/dc_i of mean_i -log sigma(h_i), h_i = beta (c_i - rc_i)/|y_w,i| - beta (r_i - rr_i)/|y_l,i|
+    torch.testing.assert_close(c.grad, -beta / ILC.to(D) * torch.sigmoid(-h) / 2)
+    torch.testing.assert_close(r.grad, beta / ILR.to(D) * torch.sigmoid(-h) / 2)
+
+
+def test_per_token_log_ratios_divides_each_side_by_its_own_length():
+    chosen, rejected = per_token_log_ratios(torch.tensor([4.0, -1.0]), torch.tensor([-3.0, 2.0]),
+                                            torch.tensor([4, 2]), torch.tensor([6, 4]))
+    torch.testing.assert_close(chosen, torch.tensor([1.0, -0.5]))
+    torch.testing.assert_close(rejected, torch.tensor([-0.5, 0.5]))
+    with pytest.raises(ValueError, match="dpo: chosen_len must be > 0"):
+        per_token_log_ratios(torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1]))
 
 
 def _trl_ipo_float64(chosen_tok, rejected_tok, ref_chosen_tok, ref_rejected_tok, chosen_mask, rejected_mask, beta):
@@ -206,12 +256,16 @@ LENGTHS = dict(chosen_len=torch.tensor([3]), rejected_len=torch.tensor([2]))
 
 
 @pytest.mark.parametrize("name", ["dpo", "hinge"])
-def test_dpo_and_hinge_refuse_lengths_and_length_normalize(name):
+def test_dpo_and_hinge_refuse_lengths_and_hinge_length_normalize(name):
     for key, value in LENGTHS.items():
         with pytest.raises(ValueError, match=f"does not use {key}"):
             preference_loss(name, C, R, RC, RR, beta=0.1, **{key: value})
-    with pytest.raises(ValueError, match="does not use length_normalize"):
-        preference_loss(name, C, R, RC, RR, beta=0.1, length_normalize=True)
+    if name == "hinge":
+        with pytest.raises(ValueError, match="does not use length_normalize"):
+            preference_loss(name, C, R, RC, RR, beta=0.1, length_normalize=True)
+    else:  # dpo normalises, given the lengths
+        with pytest.raises(ValueError, match="needs chosen_len and rejected_len"):
+            preference_loss(name, C, R, RC, RR, beta=0.1, length_normalize=True)
     # unset values (None / False / 0) are accepted
     base = preference_loss(name, C, R, RC, RR, beta=0.1).loss
     same = preference_loss(

@@ -259,6 +259,9 @@ def test_each_kind_of_module_finishes_counts_each_held_out_item_once_and_exports
     assert ranks[0]["summary"]["global_step"] == ranks[1]["summary"]["global_step"] > 0
     # each held-out item scored by one rank: the odd count splits 3 + 2, none counted twice
     assert sorted(rank["held_out"] for rank in ranks) == [HELD_OUT[kind] // 2, HELD_OUT[kind] - HELD_OUT[kind] // 2]
+    if "eval/accuracy" in ranks[0]["summary"]:  # greedy held-out eval: its calibration is reduced over the ranks
+        for name in ("eval/ece", "eval/confidence", "eval/reliability/bin00/share"):
+            assert ranks[0]["summary"][name] == ranks[1]["summary"][name], name
     exported = EXPORT_CLASS.get(kind, AutoModelForCausalLM).from_pretrained(out / kind / "rank0" / "hf_model").state_dict()
     assert exported.keys() == ranks[0]["weights"].keys()
     for name, value in ranks[0]["weights"].items():

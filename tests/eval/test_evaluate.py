@@ -54,6 +54,8 @@ def test_checkpoint_reproduces_the_runs_final_eval(trained_run, checkpoint_resul
     assert summary["eval/accuracy"] > 0  # the run learned something: equality is not 0 == 0
     assert checkpoint_results["eval/accuracy"] == summary["eval/accuracy"]
     assert checkpoint_results["eval/response_len"] == summary["eval/response_len"]
+    for name in ("eval/ece", "eval/confidence", "eval/reliability/bin09/share"):  # calibration, as training's
+        assert checkpoint_results[name] == pytest.approx(summary[name], abs=1e-9)
     assert checkpoint_results["run_dir"] == str(trained_run)
     assert checkpoint_results["num_prompts"] == 16 and checkpoint_results["settings"]["data"]["max_digits"] == 1
 

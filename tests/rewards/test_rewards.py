@@ -24,7 +24,9 @@ from posttrain.rewards import (
     CompositeReward,
     FormatReward,
     LengthPenaltyReward,
+    LinearLengthPenalty,
     OverlongReward,
+    ResponseLength,
     ScoredSample,
     build_reward,
 )
@@ -95,8 +97,35 @@ def test_length_penalty_matches_kimi_by_hand():
     assert scores(LengthPenaltyReward()(batch, SOURCE)) == [0.5, 0.0, 0.0, 0.0, -0.5, -0.5, 0.0]
 
 
+def test_linear_length_penalty_by_hand():
+    batch = [sample("42", length=3, group=0), sample("43", length=8, group=0, truncated=True),
+             sample("42", length=3, group=1)]
+    # per token, coef 0.05: -0.05 * [3, 8, 3]; right or wrong, any group, the same length pays the same
+    assert scores(LinearLengthPenalty(coef=0.05, max_new_tokens=8)(batch, SOURCE)) == [-0.15, -0.4, -0.15]
+    # per share of the budget (8 tokens), coef 0.5: -0.5 * [3, 8, 3] / 8
+    fn = LinearLengthPenalty(coef=0.5, normalize_by="max_new_tokens", max_new_tokens=8)
+    assert scores(fn(batch, SOURCE)) == [-0.1875, -0.5, -0.1875]
+
+
+def test_response_length_is_the_share_of_the_budget_or_tokens():
+    batch = [sample("42", length=2), sample("43", length=8, truncated=True)]
+    assert scores(ResponseLength(max_new_tokens=8)(batch, SOURCE)) == [0.25, 1.0]
+    assert scores(ResponseLength(normalize_by=None, max_new_tokens=8)(batch, SOURCE)) == [2.0, 8.0]
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"coef": -0.1}, "coef must be a finite number >= 0"),
+    ({"coef": True}, "coef must be a finite number >= 0"),
+    ({"coef": 0.1, "normalize_by": "budget"}, r"normalize_by must be null \(tokens\) or one of \['max_new_tokens'\]"),
+])
+def test_bad_linear_length_options_are_config_errors_naming_the_component(options, match):
+    with pytest.raises(ConfigError, match=rf"reward\.components\.length_linear: {match}"):
+        build({"accuracy": {}, "length_linear": options})
+
+
 def test_registry_holds_the_config_names():
-    assert set(REWARD_FUNCTIONS) >= {"accuracy", "format", "overlong", "length_penalty"}
+    assert set(REWARD_FUNCTIONS) >= {"accuracy", "format", "overlong", "length_penalty", "length_linear",
+                                     "response_length"}
 
 
 # --- composition -----------------------------------------------------------------------
@@ -289,7 +318,7 @@ def test_unknown_target_option_is_a_config_error(user_module):
 
 @pytest.mark.parametrize("components,match", [
     ({"acuracy": {"weight": 1.0}}, r"reward\.components\.acuracy: unknown reward component.*accuracy, format, "
-                                   r"length_penalty, overlong"),
+                                   r"length_linear, length_penalty, overlong"),
     ({"overlong": {"cache_len": 2, "cache": 3}}, r"reward\.components\.overlong: unknown option\(s\) \['cache'\]"
                                                  r".*cache_len, max_len"),
     ({"overlong": {"weight": 1.0}}, r"reward\.components\.overlong: missing required option\(s\) \['cache_len'\]"),
@@ -319,6 +348,8 @@ EXPECTED_COMPONENTS = {
     "format": ["accuracy", "format"],
     "overlong": ["accuracy", "overlong"],
     "length_penalty": ["accuracy", "length_penalty"],
+    "length_linear": ["accuracy", "length_linear"],
+    "length_constraint": ["accuracy", "response_length"],
     "composite": ["accuracy", "format", "overlong"],
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from torch.distributed.tensor import DTensor
 
-from posttrain.core import pass_at_k
+from posttrain.core import calibration_bins, calibration_error, pass_at_k, reliability
 from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.distributed.sharding import GatheringEngine, is_sharded, shard_module
 from posttrain.errors import ConfigError
@@ -41,11 +41,15 @@ class Scored:
     correct: list[float]    # 1.0 / 0.0 per row
     lengths: list[float]    # response length in tokens per row
     truncated: list[bool]   # hit the generation budget without EOS
+    # the policy's probability of each response: exp of the sum of its tokens' log-probs (EOS
+    # included) as the sampler reported them; empty where not measured
+    confidence: list[float] = field(default_factory=list)
 
     def rows(self, keep: list[int]) -> "Scored":
         """The responses of rows `keep` only."""
         return Scored(*([values[i] for i in keep] for values in (self.texts, self.correct, self.lengths,
-                                                                 self.truncated)))
+                                                                 self.truncated)),
+                      confidence=[self.confidence[i] for i in keep] if self.confidence else [])
 
 
 def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingParams,
@@ -56,7 +60,11 @@ def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingP
     rollout = module.generate(batch["prompt_ids"], batch["prompt_mask"], params, generator=generator)
     texts = decode_responses(module.tokenizer, rollout.response_ids, rollout.response_mask)
     correct = [float(module.source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
-    return Scored(texts, correct, rollout.response_lengths().float().tolist(), rollout.truncated.tolist())
+    # the response's probability under the policy (at the sampler's log-prob temperature: 1 for
+    # greedy), from the log-probs generation already returns (0 on padding): no extra forward.
+    # The clamp only removes float rounding above 1.
+    confidence = rollout.logprobs.double().sum(dim=1).exp().clamp(0.0, 1.0).tolist()
+    return Scored(texts, correct, rollout.response_lengths().float().tolist(), rollout.truncated.tolist(), confidence)
 
 
 def count_correct_samples(module: "PosttrainModule", batch: dict, params: SamplingParams, num_samples: int,
@@ -96,6 +104,7 @@ class PosttrainModule(L.LightningModule):
         self.evaluated_at_step = -1  # global step of the last held-out evaluation
         self._eval_correct: list[float] = []
         self._eval_lengths: list[float] = []
+        self._eval_confidence: list[float] = []  # the policy's probability of each greedy response
 
     def configure_model(self) -> None:
         """Where a parallel strategy shards the model: under trainer=fsdp the strategy carries a
@@ -204,6 +213,7 @@ class PosttrainModule(L.LightningModule):
     eval_num_samples: int = 1
     eval_sampling: SamplingParams | None = None
     eval_seed: int = 0
+    eval_calibration_bins: int = 10  # equal-width confidence bins of eval/ece and its reliability diagram
 
     def configure_eval(self, eval_cfg, samples_dir: Path | None = None, seed: int = 0) -> None:
         """Held-out eval's extras from the `eval` config node: the first `log_samples` prompts'
@@ -228,6 +238,7 @@ class PosttrainModule(L.LightningModule):
         self._eval_samples: list[dict] = []
         self._eval_proxy: list[float] = []  # learned reward of each greedy response (eval/proxy_reward)
         self._eval_counts: list[torch.Tensor] = []  # per prompt: correct responses of eval_num_samples
+        self._eval_correct, self._eval_lengths, self._eval_confidence = [], [], []
         if self.eval_pass_k:
             # the same draws at every eval (each rank its own), and training's random state untouched
             rank, world = rank_and_world()
@@ -249,6 +260,7 @@ class PosttrainModule(L.LightningModule):
         examples, scored = [batch["examples"][i] for i in keep], scored.rows(keep)
         self._eval_correct += scored.correct
         self._eval_lengths += scored.lengths
+        self._eval_confidence += scored.confidence
         self._eval_proxy += self.proxy_rewards(examples, scored)
         wanted = self.eval_log_samples - len(self._eval_samples)
         if wanted > 0 and self.trainer.is_global_zero:  # only rank 0 logs: its first prompts
@@ -293,9 +305,12 @@ class PosttrainModule(L.LightningModule):
         # each rank scored its own shard of the held-out prompts: reduce sums and counts
         counts = torch.cat(self._eval_counts) if self._eval_counts else torch.zeros(0)
         pass_sums = [float(pass_at_k(self.eval_num_samples, counts, k).sum()) for k in self.eval_pass_k]
-        totals = all_reduce_sum(torch.tensor([sum(self._eval_correct), sum(self._eval_lengths),
-                                              float(len(self._eval_correct)), *pass_sums, sum(self._eval_proxy)],
-                                             dtype=torch.float64, device=self.device))
+        scalars = torch.tensor([sum(self._eval_correct), sum(self._eval_lengths), float(len(self._eval_correct)),
+                                *pass_sums, sum(self._eval_proxy)], dtype=torch.float64)
+        # calibration: this rank's greedy responses binned by confidence; the bins' sums add over ranks
+        bins = calibration_bins(self._eval_confidence, self._eval_correct, self.eval_calibration_bins)
+        summed = all_reduce_sum(torch.cat([scalars, bins.flatten()]).to(self.device))  # one collective
+        totals, bins = summed[:len(scalars)], summed[len(scalars):].view(3, -1)
         if totals[2] == 0:
             return
         accuracy, length = float(totals[0] / totals[2]), float(totals[1] / totals[2])
@@ -304,10 +319,24 @@ class PosttrainModule(L.LightningModule):
             self.log_dict({"eval/proxy_reward": float(totals[-1] / totals[2])}, prog_bar=True)
         if self.eval_pass_k:  # every prompt has eval_num_samples samples: the same count as the greedy rows
             self.log_dict({f"eval/pass@{k}": float(totals[3 + i] / totals[2]) for i, k in enumerate(self.eval_pass_k)})
+        if bins[0].sum() > 0:
+            self.log_calibration(bins)
         if self._eval_samples:
             self.log_samples(self._eval_samples)
         self.evaluated_at_step = self.trainer.global_step
-        self._eval_correct, self._eval_lengths = [], []
+        self._eval_correct, self._eval_lengths, self._eval_confidence = [], [], []
+
+    def log_calibration(self, bins: torch.Tensor) -> None:
+        """`eval/ece`: the expected calibration error of the greedy responses (confidence: the
+        policy's probability of its whole response), over `eval_calibration_bins` equal-width
+        bins; `eval/confidence`: their mean confidence (above `eval/accuracy`: over-confident);
+        `eval/reliability/bin<b>/{share,confidence,accuracy}`: the reliability diagram, bin b
+        covering confidence [b/M, (b+1)/M) (share 0: an empty bin). `bins`: summed over ranks."""
+        points = reliability(bins)
+        metrics = {"eval/ece": float(calibration_error(bins)), "eval/confidence": float(bins[1].sum() / bins[0].sum())}
+        for b in range(bins.shape[1]):
+            metrics.update({f"eval/reliability/bin{b:02d}/{name}": float(values[b]) for name, values in points.items()})
+        self.log_dict(metrics)
 
     def log_samples(self, rows: list[dict]) -> None:
         """The samples table of this eval: to W&B as `eval/samples`, and to the run dir as

@@ -97,7 +97,7 @@ class Collector:
                  group_size: int, prompts_per_step: int, seed: int, eos_ids: list[int], rank: int = 0,
                  world: int = 1, device="cpu", step_rule=None, process_reward=None,
                  prm_stop_below: float | None = None, partial_budget: int | None = None,
-                 rounds_agree: Callable[[int], bool] | None = None):
+                 rounds_agree: Callable[[int], bool] | None = None, cost_component: str | None = None):
         self.generate, self.tokenizer, self.source = generate, tokenizer, source
         self.curriculum, self.reward_fn = curriculum, reward_fn
         self.sampling, self.group_size, self.prompts_per_step = sampling, group_size, prompts_per_step
@@ -106,6 +106,7 @@ class Collector:
         self.step_rule, self.process_reward, self.prm_stop_below = step_rule, process_reward, prm_stop_below
         self.partial_budget = partial_budget
         self.rounds_agree = rounds_agree  # None: this rank alone decides (a producer's case)
+        self.cost_component = cost_component  # reward.constraint's cost: its scores go to Experience.cost
         self.version = 0
         # partial rollouts: responses not ended, and ended groups waiting for a batch
         self.pending: list[PartialResponse] = []
@@ -247,6 +248,8 @@ class Collector:
         if scored.step_rewards is not None:
             rewards, ends = place_step_rewards(scored.step_rewards, step_ends, batch.response_mask.shape)
             experience.step_rewards, experience.step_mask = rewards.to(self.device), ends.to(self.device)
+        if self.cost_component is not None:  # weighted 0, so not in `scores`: the trainer adds it with its lambda
+            experience.cost = scored.components[self.cost_component].to(self.device)
         return experience, scored.metrics
 
     def stop_at_low_prm_steps(self, batch, samples, step_ends):

@@ -33,6 +33,9 @@ class Experience:
     step_mask: torch.Tensor | None = None          # [B, T] bool, True at each step's last token
     policy_version: torch.Tensor | None = None     # [B, T] long, the policy version that sampled each token
     segments: torch.Tensor | None = None           # [B] long, generate calls per response (partial rollouts)
+    # [B] the score of reward.constraint's cost component (out of `scores`): the trainer adds it,
+    # times its own lambda, since the reward stage may run in a producer process that holds no lambda
+    cost: torch.Tensor | None = None
     # --- annotate: one field per scorer ---
     old_logp: torch.Tensor | None = None   # [B, T] pi_old (None on-policy: the training forward's own)
     ref_logp: torch.Tensor | None = None   # [B, T] frozen reference

@@ -25,7 +25,9 @@ One `training_step` is one rollout batch, four named and timed stages over an `E
   1. collect     prompts from the curriculum -> `group_size` samples each -> (their steps,
                  for a process reward) -> rewards (dynamic sampling's extra rounds, partial
                  rollouts: collect.py), by this process or by a producer process sampling up
-                 to rollout.max_staleness policy versions ahead (producer.py)
+                 to rollout.max_staleness policy versions ahead (producer.py); with
+                 reward.constraint the trainer then subtracts lambda x the cost over its
+                 limit, and steps lambda (apply_constraint)
   2. annotate    each configured scorer adds its tensors: old log-probs (only off-policy, for
                  a KL in the reward or a distillation reward), reference log-probs (only with
                  a KL term), critic values (only with a critic), teacher log-probs (only with
@@ -47,8 +49,9 @@ logging and curricula follow it.
 Data parallelism lives here, not in an algorithm: each rank draws its own prompts (disjoint
 streams), seeds its sampler with its rank, sums token and sequence counts over ranks before
 aggregating, and averages gradients by hand before each optimiser step. What a decision reads
-(the adaptive KL controller, a curriculum's accuracy, the "no signal" skip, whitening) is reduced
-over the ranks: every rank holds one state, that of one process on the union of their batches.
+(the adaptive KL controller, the constraint's lambda, a curriculum's accuracy, the "no signal"
+skip, whitening) is reduced over the ranks: every rank holds one state, that of one process on
+the union of their batches.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import hashlib
 import logging
 import math
 import time
+from dataclasses import replace
 
 import torch
 from omegaconf import OmegaConf
@@ -73,7 +77,8 @@ from posttrain.models.forward import (lm_head_weights, logprobs_from_hidden, seq
 from posttrain.algorithms.terms import (MISMATCH_SUMS, DistillTerm, EntropyTerm, KLTerm, MicroBatch, PolicyTerm,
                                         ValueTerm)
 from posttrain.data.curriculum import build_curriculum
-from posttrain.data.datamodule import ExampleCursor, collate_sft
+from posttrain.data.datamodule import ExampleCursor, collate_sft, tokenizer_context
+from posttrain.data.pretraining import PretrainingChunks, read_documents
 from posttrain.data.steps import source_step_rule
 from posttrain.distributed.collectives import (all_reduce_max, all_reduce_sum, average_gradients, rank_and_world,
                                                is_dtensor, this_ranks, with_every_rank)
@@ -117,7 +122,8 @@ class OnlineRLModule(PosttrainModule):
                  count_empty_rows: bool = False, mask_truncated: bool = False,
                  entropy_coef: float = 0.0, max_grad_norm: float | None = 1.0,
                  offpolicy_mask_delta: float | None = None, keep_sampling_mask: bool = False,
-                 critic=None, ptx_coef: float = 0.0, ptx_batch_size: int = 16, distill=None):
+                 critic=None, ptx_coef: float = 0.0, ptx_batch_size: int = 16, ptx_data: str | None = None,
+                 ptx_seq_len: int = 128, distill=None):
         super().__init__(policy, tokenizer, source, optim, rollout, eval_max_new_tokens, max_grad_norm)
         if policy_loss not in core.POLICY_LOSSES:
             raise ConfigError(f"algorithm.policy_loss={policy_loss!r} is not one of {sorted(core.POLICY_LOSSES)}")
@@ -199,6 +205,8 @@ class OnlineRLModule(PosttrainModule):
                                      as_loss=self.kl_placement == "as_loss"))
         self.value_term = ValueTerm(critic.value_clip, critic.vf_coef) if critic is not None else None
         self.ptx_coef, self.ptx_batch_size = ptx_coef, ptx_batch_size
+        # PPO-ptx's data: null, the task's supervised data; else pretraining text (data/pretraining.py)
+        self.ptx_data, self.ptx_seq_len = ptx_data, ptx_seq_len
 
         # --- distillation (opd, kdrl, long2short): a frozen teacher scores the student's samples ---
         distill = OmegaConf.to_container(distill, resolve=True) if OmegaConf.is_config(distill) else distill
@@ -233,6 +241,17 @@ class OnlineRLModule(PosttrainModule):
         check_core_options(self)
         self.reward_cfg = reward
         self.reward_fn = build_reward(reward, source, rollout.max_new_tokens, policy=policy, tokenizer=tokenizer)
+        # --- reward.constraint: E[cost] <= limit through a Lagrange multiplier. lambda lives here, in
+        # the trainer, and is applied to each batch as it is consumed: the reward stage may run in a
+        # producer process (rollout.max_staleness > 0), which holds no lambda, so it only stores the cost ---
+        constraint, components = reward.get("constraint"), reward.get("components")
+        if OmegaConf.is_config(constraint):
+            constraint = OmegaConf.to_container(constraint, resolve=True)
+        if OmegaConf.is_config(components):
+            components = OmegaConf.to_container(components, resolve=True)
+        rules.refuse(rules.constraint_problem(constraint, components))
+        self.constraint = dict(constraint) if constraint is not None else None
+        self.constraint_lambda = float(self.constraint.get("init", 0.0)) if self.constraint is not None else 0.0
 
         # --- process rewards: responses split into steps (data/steps.py) for a PRM to score ---
         self.process_reward = process_reward_of(self.reward_fn)
@@ -253,15 +272,21 @@ class OnlineRLModule(PosttrainModule):
         cursor = ExampleCursor(self.source, "train", self.seed, rank=rank, world_size=world)
         self.curriculum = build_curriculum(self.curriculum_cfg, cursor, self.cache_dir)
         if self.ptx_coef:
-            # the task's supervised data, in its own stream (distinct seed), for PPO-ptx
-            self.ptx_cursor = ExampleCursor(self.source, "train", self.seed + 1, rank=rank, world_size=world)
+            # PPO-ptx's own stream (distinct seed): the task's supervised data, or chunks of
+            # pretraining text, each rank its own share
+            ptx_source = self.source
+            if self.ptx_data is not None:
+                ptx_source = PretrainingChunks(read_documents(self.ptx_data), self.tokenizer, self.ptx_seq_len,
+                                               context=tokenizer_context(self.tokenizer))
+            self.ptx_cursor = ExampleCursor(ptx_source, "train", self.seed + 1, rank=rank, world_size=world)
         self.collector = Collector(
             lambda *args, **kwargs: self.generate(*args, **kwargs), self.tokenizer, self.source, self.curriculum,
             self.reward_fn, sampling=self.sampling_params(), group_size=self.group_size,
             prompts_per_step=self.prompts_per_step, seed=self.seed, rank=rank, world=world, device=self.device,
             eos_ids=stop_token_ids(self.tokenizer, self.policy), step_rule=self.step_rule,
             process_reward=self.process_reward, prm_stop_below=self.prm_stop_below,
-            partial_budget=self.partial_budget, rounds_agree=self.any_rank_needs)
+            partial_budget=self.partial_budget, rounds_agree=self.any_rank_needs,
+            cost_component=self.constraint["cost"] if self.constraint is not None else None)
         if self.producer_kind == "inline":
             self.producer = InlineProducer(self.collector)
         else:
@@ -299,6 +324,8 @@ class OnlineRLModule(PosttrainModule):
                                                              if k != "curriculum"})
         if self.kl_controller is not None:
             checkpoint["kl_controller"] = self.kl_controller.state_dict()
+        if self.constraint is not None:  # one lambda, the same on every rank (apply_constraint)
+            checkpoint["constraint_lambda"] = self.constraint_lambda
 
     def on_load_checkpoint(self, checkpoint):
         super().on_load_checkpoint(checkpoint)
@@ -313,6 +340,8 @@ class OnlineRLModule(PosttrainModule):
             self.collector_state = this_ranks(checkpoint, "partial_rollouts")
         if "kl_controller" in checkpoint and self.kl_controller is not None:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
+        if "constraint_lambda" in checkpoint and self.constraint is not None:
+            self.constraint_lambda = float(checkpoint["constraint_lambda"])
 
     def on_train_start(self):
         # not on_fit_start: under trainer=ddp and fsdp Lightning restores a checkpoint after
@@ -359,6 +388,9 @@ class OnlineRLModule(PosttrainModule):
 
         with full_weights(self.policy):  # FSDP: one gather for all rounds (ranks may sample different numbers)
             exp, metrics, has_signal = timed("collect", self.collect, step)
+        if self.constraint is not None:  # the cost joins the reward here, with the trainer's lambda
+            exp, constraint_metrics = self.apply_constraint(exp)
+            metrics.update(constraint_metrics)
         exp = timed("annotate", self.annotate, exp.without_trailing_padding())
         exp, advantage_metrics = timed("advantages", self.compute_advantages, exp)
         stats = timed("update", self.update, exp, has_signal)
@@ -462,6 +494,29 @@ class OnlineRLModule(PosttrainModule):
         """Whether some rank's batch still needs groups: the ranks take the same number of
         sampling rounds."""
         return bool(all_reduce_max(torch.tensor(need, device=self.device)) > 0)
+
+    @torch.no_grad()
+    def apply_constraint(self, exp: Experience) -> tuple[Experience, dict]:
+        """reward.constraint, E[cost] <= limit: each sample's reward becomes
+        r - lambda * max(0, cost - limit) with the lambda of this batch (core.constrained_reward), then
+        lambda takes its dual step from the batch's mean cost (core.dual_ascent_step). The mean is
+        over every rank's rows, so every rank holds one lambda, that of a 1-process run on the union
+        of their batches. Every later stage (advantages, rollout/reward_mean) sees the penalised
+        reward; rewards/total/mean stays the reward stage's, without it. Logged: the lambda after
+        the step (the next batch's), the mean cost, its excess over the limit, the share of samples
+        over it and the mean penalty."""
+        limit, applied = self.constraint["limit"], self.constraint_lambda
+        scores = core.constrained_reward(exp.scores, exp.cost, applied, limit)
+        cost = exp.cost.double()
+        sums = torch.stack([cost.sum(), (cost > limit).double().sum(), (exp.scores - scores).double().sum(),
+                            torch.tensor(float(len(exp)), dtype=torch.float64, device=cost.device)])
+        cost_sum, over, penalty, rows = all_reduce_sum(sums).tolist()
+        mean_cost = cost_sum / rows
+        self.constraint_lambda = core.dual_ascent_step(applied, mean_cost, limit, self.constraint["lr"])
+        metrics = {"rewards/constraint/lambda": self.constraint_lambda, "rewards/constraint/cost_mean": mean_cost,
+                   "rewards/constraint/violation": mean_cost - limit, "rewards/constraint/over_limit_frac": over / rows,
+                   "rewards/constraint/penalty_mean": penalty / rows}
+        return replace(exp, scores=scores), metrics
 
     # --- 2. annotate -------------------------------------------------------------------------
     @torch.no_grad()
@@ -766,9 +821,14 @@ class OnlineRLModule(PosttrainModule):
         return norm
 
     def ptx_step(self) -> dict[str, float]:
-        """PPO-ptx (InstructGPT): + ptx_coef * (-mean log pi) on a batch of the task's
-        supervised data, accumulated into the policy's gradient before its step."""
-        batch = collate_sft(self.ptx_cursor.take(self.ptx_batch_size), self.tokenizer)
+        """PPO-ptx (InstructGPT): + ptx_coef * (-mean log pi) on a batch of pretraining text
+        (algorithm.ptx_data) or, without one, of the task's supervised data, accumulated into
+        the policy's gradient before its step."""
+        if self.ptx_data is None:  # the task's supervised data: the loss on the reference responses
+            batch = collate_sft(self.ptx_cursor.take(self.ptx_batch_size), self.tokenizer)
+        else:  # chunks of pretraining text: the loss on every token after the first
+            ids = torch.stack(self.ptx_cursor.take(self.ptx_batch_size))
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         batch = {k: v.to(self.device) for k, v in batch.items()}
         logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         labels = batch["labels"][:, 1:]
@@ -777,7 +837,7 @@ class OnlineRLModule(PosttrainModule):
         num_tokens = all_reduce_sum(mask.sum())
         loss = core.ptx_loss(logp, mask, num_tokens=num_tokens, dp_size=rank_and_world()[1])
         self.manual_backward(self.ptx_coef * loss)
-        return {"ptx/loss": float(loss)}
+        return {"ptx/loss": float(loss.detach())}
 
     # --- pass rates (curricula) ----------------------------------------------------------------
     @torch.no_grad()

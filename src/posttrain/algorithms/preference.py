@@ -64,7 +64,8 @@ def pair_sums(out, pairs: int) -> torch.Tensor:
 class PreferenceModule(OfflineModule):
     """`loss`: dpo | ipo | hinge | simpo. `beta`: the loss's inverse temperature (IPO's tau);
     `gamma`: SimPO's target margin; `label_smoothing`: cDPO's label noise (dpo, simpo);
-    `length_normalize`: IPO on per-token log-ratios. `roles`: the run's role configs, of
+    `length_normalize`: DPO (Tulu 3's length-normalised DPO) or IPO on per-token log-ratios,
+    each side's divided by its response length (`batch["chosen_len"]`, EOS included). `roles`: the run's role configs, of
     which `roles.reference` says what the reference is."""
 
     train_collate = staticmethod(collate_pairs)

@@ -10,6 +10,8 @@ the same sentence whichever side finds it first.
 
 from __future__ import annotations
 
+import math
+
 from posttrain.errors import ConfigError
 
 
@@ -91,6 +93,43 @@ def distill_weight(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}={value!r} is not valid: expected a number >= 0")
     return value
+
+
+# reward.constraint: the keys it takes, and those without a default (init: lambda starts at 0)
+CONSTRAINT_KEYS = ("cost", "limit", "lr", "init")
+CONSTRAINT_REQUIRED = ("cost", "limit", "lr")
+
+
+def constraint_problem(constraint, components) -> str | None:
+    """reward.constraint (a mapping or None) reads the cost from one component of reward.components,
+    weighted 0: the cost enters the reward through lambda alone, never also through a weight."""
+    if constraint is None:
+        return None
+    if not isinstance(constraint, dict):
+        return (f"reward.constraint={constraint!r} is not valid: expected null or a mapping such as "
+                f"{{cost: response_length, limit: 0.5, lr: 1.0, init: 0.0}}")
+    unknown = sorted(set(constraint) - set(CONSTRAINT_KEYS))
+    if unknown:
+        return f"reward.constraint: unknown key(s) {unknown}; valid keys: {', '.join(CONSTRAINT_KEYS)}"
+    missing = [key for key in CONSTRAINT_REQUIRED if key not in constraint]
+    if missing:
+        return f"reward.constraint: missing key(s) {missing} (cost: a component's name, limit: epsilon, lr: eta)"
+    for key, low in (("limit", None), ("lr", 0.0), ("init", 0.0)):
+        value = constraint.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (low is not None and value < low):
+            return (f"reward.constraint.{key}={value!r} is not valid: expected a finite number"
+                    f"{'' if low is None else f' >= {low:g}'}")
+    cost = constraint["cost"]
+    components = components or {}
+    if cost not in components:
+        return (f"reward.constraint.cost={cost!r} names no component of reward.components ({sorted(components)}); "
+                f"add it with weight 0, e.g. +reward.components.{cost}='{{weight: 0.0}}'")
+    weight = (components[cost] or {}).get("weight", 1.0)
+    if weight != 0:
+        return (f"reward.constraint.cost={cost!r} is a component with weight {weight}: it would count in the total "
+                f"and again through the constraint; set reward.components.{cost}.weight=0")
+    return None
 
 
 PRODUCERS = ("inline", "process")  # rollout.producer (algorithms/producer.py); null: by max_staleness

@@ -4,6 +4,8 @@ rules about the algorithm's own keys and about what an algorithm of each kind ca
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from posttrain.algorithms import rules
 from posttrain.config.spec import (BELOW_ONE, CLAMP, POSITIVE, PROBABILITY, SEED, Spec, Values, boolean, choice,
                                    integer, is_number, list_of, mapping, number, optional, rule, text)
@@ -12,9 +14,12 @@ from posttrain.core.distill import DISTILL_DIVERGENCES, KDRL_ESTIMATORS
 from posttrain.core.policy_loss import POLICY_LOSSES, RATIO_LEVELS
 from posttrain.core.preference import PREFERENCE_LOSSES
 from posttrain.core.schedules import SCHEDULES
+from posttrain.data.pretraining import names_a_file
 
 # The groups only online RL reads: an algorithm of another kind refuses a choice in them.
 ONLINE_ONLY_GROUPS = ("advantage", "kl_estimator", "data_curriculum")
+# The preference losses with an `algorithm.length_normalize` option (core.per_token_log_ratios)
+LENGTH_NORMALIZED_LOSSES = ("dpo", "ipo")
 
 
 def optimiser(prefix: str) -> dict[str, Spec]:
@@ -64,6 +69,9 @@ SPECS: dict[str, Spec] = {
     **optimiser("algorithm.critic.optim"),
     "algorithm.ptx_coef": number(0),
     "algorithm.ptx_batch_size": integer(1),
+    "algorithm.ptx_data": optional(text()).about("null: the task's supervised data; else pretraining text: a text "
+                                                 "file, a .jsonl with a 'text' field, or a hub name[:config]"),
+    "algorithm.ptx_seq_len": integer(2).about("ptx_data: tokens per chunk of pretraining text"),
     "algorithm.offpolicy_mask_delta": optional(number(0)),
     "algorithm.keep_sampling_mask": boolean(),
     # distillation from a frozen teacher (opd, kdrl, long2short): algorithms/online.py, DistillTerm
@@ -87,7 +95,7 @@ SPECS: dict[str, Spec] = {
     "algorithm.gamma": number(0).about("SimPO's target reward margin; 0 elsewhere"),
     "algorithm.label_smoothing": Spec(lambda v: is_number(v) and 0 <= v < 0.5, "a number in [0, 0.5)").about(
         "cDPO: the assumed probability that a preference label is flipped"),
-    "algorithm.length_normalize": boolean().about("IPO on per-token log-ratios"),
+    "algorithm.length_normalize": boolean().about("dpo, ipo: on per-token log-ratios (each / its response length)"),
     "algorithm.warm_start.steps": integer(0).about("SFT steps, or their cap with until_accuracy; 0: no warm start"),
     "algorithm.warm_start.seed": optional(SEED).about("null: the run's seed"),
     "algorithm.warm_start.until_accuracy": optional(number(0, 1, low_open=True)).about("held-out greedy accuracy "
@@ -158,9 +166,9 @@ def preference_options_fit_the_loss(v: Values):
     if v.get("algorithm.label_smoothing", 0) and loss not in ("dpo", "simpo"):
         yield (f"algorithm.label_smoothing={v['algorithm.label_smoothing']} smooths the logistic loss of dpo and "
                f"simpo, but algorithm.loss={loss}; set it to 0")
-    if v.get("algorithm.length_normalize", False) and loss != "ipo":
-        yield (f"algorithm.length_normalize=true is IPO's option (simpo always normalises, dpo and hinge never), "
-               f"but algorithm.loss={loss}; set it to false")
+    if v.get("algorithm.length_normalize", False) and loss not in LENGTH_NORMALIZED_LOSSES:
+        yield (f"algorithm.length_normalize=true divides the log-ratios of dpo and ipo by the response lengths "
+               f"(simpo always normalises, hinge never), but algorithm.loss={loss}; set it to false")
 
 
 @rule
@@ -200,3 +208,15 @@ def a_distillation_reward_is_its_own_advantage(v: Values):
     distill = v.get("algorithm.distill")
     if v.online() and distill and (problem := rules.distill_reward_problem(distill.get("mode"), v["advantage.name"])):
         yield problem
+
+
+@rule
+def ptx_data_is_a_file_that_exists(v: Values):
+    """PPO-ptx's pretraining text is read when training starts (after the warm start): a
+    missing local file is refused now."""
+    name = v.get("algorithm.ptx_data")
+    if name is None or not v.get("algorithm.ptx_coef"):
+        return
+    if names_a_file(name) and not Path(name).expanduser().is_file():
+        yield (f"algorithm.ptx_data={name!r}: no such file (a text file with a document a line, or a .jsonl file "
+               f"with a 'text' field; a name without a file ending is read as a hub dataset)")

@@ -1,11 +1,14 @@
 """What `reward.*` accepts (conf/reward/: the components of the composite reward, their
-weights and options), and the rule that a reward model's path has a component to read it.
+weights and options; the Lagrangian constraint on one of them), and the rules that a reward
+model's path has a component to read it and that the constraint's cost is a component weighted 0.
 A component's own options are checked against its function by the dry run (dry_run.py)."""
 
 from __future__ import annotations
 
+from posttrain.algorithms import rules
 from posttrain.config.spec import (Spec, Values, anything, boolean, choice, integer, list_of, mapping, number, optional,
                                    pattern, rule, text)
+from posttrain.rewards.components import LENGTH_NORMALIZERS
 from posttrain.rewards.composite import ON_ERROR_MODES
 
 # `*` patterns are tried in the order written: reward.components.*.weight before .*.*
@@ -18,9 +21,24 @@ SPECS: dict[str, Spec] = {
     "reward.components.overlong.max_len": optional(integer(1)).about("tokens; null: rollout.max_new_tokens"),
     "reward.components.format.match_score": number(),
     "reward.components.format.miss_score": number(),
+    "reward.components.format.partial": boolean().about("score the share of the shape a response has (the "
+                                                        "arithmetic task's r1 tags)"),
     "reward.components.length_penalty.warmup": integer(0).about("rollout batches before the length reward switches on"),
     "reward.components.length_penalty.only_groups_with_a_correct_answer": boolean().about(
         "0 in a group with no right answer (false: Kimi's formula)"),
+    "reward.components.length_linear.coef": number(0).about("the penalty of one token, or of a budget-long "
+                                                           "response with normalize_by: max_new_tokens"),
+    "reward.components.length_linear.normalize_by": optional(choice(*LENGTH_NORMALIZERS)).about(
+        "what the length is divided by; null: tokens"),
+    "reward.components.response_length.normalize_by": optional(choice(*LENGTH_NORMALIZERS)).about(
+        "what the length is divided by; null: tokens"),
+    # a Lagrangian constraint E[cost] <= limit, lambda learned by dual ascent in the trainer (online.py)
+    "reward.constraint": optional(mapping("{cost: response_length, limit: 0.5, lr: 1.0, init: 0.0}")).about(
+        "null: none"),
+    "reward.constraint.cost": text().about("the component whose score is the cost, weighted 0"),
+    "reward.constraint.limit": number().about("epsilon: the mean cost the constraint allows"),
+    "reward.constraint.lr": number(0).about("eta of lambda's dual ascent; 0: lambda stays at init"),
+    "reward.constraint.init": number(0).about("lambda at the start"),
     "reward.path": optional(text()).about("a reward model directory (reward=reward_model)"),
     "reward.paths": optional(list_of(text())).about("reward model directories: an ensemble"),
     "reward.components.reward_model.path": optional(text()).about("a reward model directory"),
@@ -51,3 +69,10 @@ def a_reward_model_path_needs_the_reward_model_component(v: Values):
             yield (f"{key} is set, but the reward has no reward_model component to read it "
                    f"(reward.components: {sorted(components)}); use reward=reward_model, or add "
                    f"+reward.components.reward_model.{key.rpartition('.')[2]}=...")
+
+
+@rule
+def a_constraint_reads_a_weightless_component(v: Values):
+    """reward.constraint's cost is one of the reward's components, weighted 0 (rules.constraint_problem)."""
+    if problem := rules.constraint_problem(v.get("reward.constraint"), v.get("reward.components")):
+        yield problem

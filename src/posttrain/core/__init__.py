@@ -28,7 +28,9 @@ from .advantages import (
     sequence_scores,
 )
 from .aggregation import AGGREGATION_MODES, aggregate_loss, count_tokens_and_seqs
+from .calibration import calibration_bins, calibration_error, expected_calibration_error, reliability
 from .checks import check_finite, set_finite_checks
+from .constraint import constrained_reward, dual_ascent_step
 from .distill import (
     DISTILL_DIVERGENCES,
     distill_divergence,
@@ -58,7 +60,7 @@ from .kl import (
     kl_straight_through,
     kl_unbiased_gradient,
 )
-from .length import dapo_overlong_penalty, kimi_length_reward
+from .length import dapo_overlong_penalty, kimi_length_reward, linear_length_penalty
 from .logprobs import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from .masked import drop_truncated, masked_mean, masked_sum, masked_var, masked_whiten, zero_padding
 from .metrics import pass_at_k
@@ -105,6 +107,7 @@ from .preference import (
     ensemble_lower_bound,
     hinge_loss,
     ipo_loss,
+    per_token_log_ratios,
     preference_loss,
     simpo_loss,
 )
@@ -115,12 +118,13 @@ __all__ = [
     "KL_ESTIMATORS", "POLICY_LOSSES", "PREFERENCE_LOSSES",
     "AdaptiveKLController", "FixedKLController", "PreferenceOutput",
     "aggregate_loss", "apply_kl_in_reward", "bradley_terry_loss", "build_kl_controller",
+    "calibration_bins", "calibration_error", "expected_calibration_error", "reliability",
     "check_finite", "cispo_loss", "clamped_log_ratio", "compute_advantages",
     "compute_policy_loss", "count_tokens_and_seqs", "dapo_overlong_penalty",
     "discounted_returns", "distill_divergence", "dpo_loss", "ensemble_lower_bound", "dr_grpo_advantages", "drop_truncated",
     "entropy_from_logits", "explained_variance", "forward_kl", "gae_advantages", "generalized_jsd", "group_ids",
     "informative_groups",
-    "grpo_advantages", "gspo_loss", "gspo_sequence_log_ratio", "hinge_loss", "ipo_loss",
+    "grpo_advantages", "gspo_loss", "gspo_sequence_log_ratio", "hinge_loss", "ipo_loss", "per_token_log_ratios",
     "KDRL_ESTIMATORS", "SCHEDULES", "kdrl_loss", "kdrl_reward_mask", "scheduled_coef",
     "kimi_length_reward", "kl_abs", "kl_k1", "kl_k2", "kl_k3",
     "kl_k3_unbiased", "kl_penalty", "kl_straight_through", "kl_unbiased_gradient", "logprobs_from_logits",
@@ -133,4 +137,5 @@ __all__ = [
     "majority_vote_expected_accuracy", "monte_carlo_step_labels", "process_step_rewards",
     "CORRECTION_LEVELS", "MISMATCH_MAX_KEYS", "MISMATCH_SUM_KEYS", "correction_weights", "level_log_ratio", "masked_is_keep",
     "accumulate_mismatch_sum", "mismatch_log_ratio", "mismatch_metrics", "mismatch_sums", "truncated_is_weights",
+    "constrained_reward", "dual_ascent_step", "linear_length_penalty",
 ]

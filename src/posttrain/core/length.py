@@ -1,4 +1,5 @@
-"""Length-based reward terms, per response -> [B]."""
+"""Length-based reward terms, per response -> [B]: Kimi k1.5's group-relative length reward,
+DAPO's soft overlong punishment and a linear per-token penalty."""
 
 from __future__ import annotations
 
@@ -52,3 +53,18 @@ def dapo_overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -
     ramp = (expected - length) / max(cache_len, 1)  # only selected when cache_len > 0
     out = torch.where(length <= expected, torch.zeros_like(length), ramp)
     return torch.where(length > max_len, torch.full_like(length, -1.0), out)
+
+
+def linear_length_penalty(lengths: torch.Tensor, coef: float, normalizer: float = 1.0) -> torch.Tensor:
+    """Linear length penalty -coef * len / normalizer, per response: every token costs the same,
+    wherever it falls and whatever the rest of the group does (unlike Kimi's group-relative
+    reward). normalizer=1: `coef` is the cost of one token; normalizer = the generation budget:
+    `coef` is the cost of a response that fills it."""
+    if not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be [B], got shape {tuple(lengths.shape)}")
+    length = lengths.to(torch.float32) if not lengths.is_floating_point() else lengths
+    check_finite("lengths", length)
+    return -coef * length / normalizer

@@ -10,15 +10,16 @@ One signature for the policy-side family::
 ``*_logp`` are sequence log-probs (sum of the response's token log-probs); ``*_len`` [B]
 are response lengths in tokens (> 0). Per-pair implicit rewards (detached) are
 beta * (log pi - log pi_ref) for DPO/IPO/hinge (summed log-ratios, also for length-normalised
-IPO) and beta * log pi / |y| for SimPO; ``stats`` holds their batch means:
+IPO; per-token log-ratios for length-normalised DPO, the margin inside its sigmoid) and
+beta * log pi / |y| for SimPO; ``stats`` holds their batch means:
 ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (chosen - rejected) and
 ``rewards/accuracy`` (fraction with chosen > rejected).
 
 An option a loss does not use raises instead of being silently ignored (None, False and 0
 count as unset): ``gamma`` outside SimPO; label smoothing for IPO/hinge; lengths and
-``length_normalize`` for DPO/hinge; lengths for IPO unless ``length_normalize=True``;
+``length_normalize`` for hinge; lengths for DPO and IPO unless ``length_normalize=True``;
 ``length_normalize`` and reference log-probs for SimPO (always length-normalised,
-reference-free).
+reference-free). ``per_token_log_ratios`` is the one length normalisation DPO and IPO share.
 """
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ def _lengths(chosen_len, rejected_len, like, loss):
     return out
 
 
+def per_token_log_ratios(chosen_log_ratio, rejected_log_ratio, chosen_len, rejected_len, loss="dpo"):
+    """Length normalisation of DPO (Tulu 3's length-normalised DPO) and IPO (TRL): each side's
+    summed log-ratio log pi(y|x) - log ref(y|x) divided by its own response length |y| in
+    tokens, i.e. the mean log-ratio per token: ((log pi_w - log ref_w)/|y_w|, (log pi_l - log ref_l)/|y_l|).
+    ``loss`` names the caller in errors (lengths missing, not [B], not finite or not > 0)."""
+    len_c, len_r = _lengths(chosen_len, rejected_len, chosen_log_ratio, loss)
+    return chosen_log_ratio / len_c, rejected_log_ratio / len_r
+
+
+def _lengths_only_if_normalized(loss, length_normalize, chosen_len, rejected_len):
+    """Lengths without ``length_normalize=True`` would be silently unused: they raise."""
+    if not length_normalize:
+        _no_option(
+            loss, hint=" or pass length_normalize=True to divide each log-ratio by its length",
+            chosen_len=chosen_len, rejected_len=rejected_len,
+        )
+
+
 def _output(loss, chosen_rewards, rejected_rewards):
     c, r = chosen_rewards.detach(), rejected_rewards.detach()
     stats = {
@@ -120,11 +139,20 @@ def dpo_loss(
     chosen_logp, rejected_logp, ref_chosen_logp=None, ref_rejected_logp=None, *,
     beta, chosen_len=None, rejected_len=None, gamma=0.0, label_smoothing=0.0, length_normalize=False,
 ):
-    """DPO (Rafailov et al. 2023): -log sigma(beta [(log pi_w - log ref_w) - (log pi_l - log ref_l)])."""
-    _no_option(
-        "dpo", gamma=gamma, chosen_len=chosen_len, rejected_len=rejected_len, length_normalize=length_normalize,
-    )
+    """DPO (Rafailov et al. 2023): -log sigma(beta [(log pi_w - log ref_w) - (log pi_l - log ref_l)]).
+
+    ``length_normalize=True``: length-normalised DPO (Tulu 3, open-instruct's ``dpo_norm``),
+    each side's log-ratio divided by its own response length (``per_token_log_ratios``),
+    -log sigma(beta [(log pi_w - log ref_w)/|y_w| - (log pi_l - log ref_l)/|y_l|]); needs
+    ``chosen_len`` and ``rejected_len`` (given without it, they raise). The per-token margin
+    is about 1/|y| of the summed one, so the normalised loss takes a larger beta (Tulu 3: 5).
+    Its rewards are beta * per-token log-ratio: their margin is the sigmoid's argument.
+    """
+    _no_option("dpo", gamma=gamma)
+    _lengths_only_if_normalized("dpo", length_normalize, chosen_len, rejected_len)
     rc, rr = _reference_log_ratios(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, "dpo")
+    if length_normalize:
+        rc, rr = per_token_log_ratios(rc, rr, chosen_len, rejected_len, "dpo")
     chosen_rewards, rejected_rewards = beta * rc, beta * rr
     loss = _smoothed_sigmoid_loss(chosen_rewards - rejected_rewards, label_smoothing).mean()
     return _output(loss, chosen_rewards, rejected_rewards)
@@ -139,7 +167,8 @@ def ipo_loss(
     ``length_normalize=False`` (default; OpenRLHF): summed log-ratios,
     h = (log pi_w - log ref_w) - (log pi_l - log ref_l).
     ``length_normalize=True`` (TRL ``loss_type="ipo"``): each side's log-ratio divided by its
-    own response length, h = (log pi_w - log ref_w)/|y_w| - (log pi_l - log ref_l)/|y_l|;
+    own response length (``per_token_log_ratios``),
+    h = (log pi_w - log ref_w)/|y_w| - (log pi_l - log ref_l)/|y_l|;
     needs ``chosen_len`` and ``rejected_len`` (given without it, they raise). The squared
     loss of summed log-ratios grows with response length, so the two take different betas.
 
@@ -147,17 +176,13 @@ def ipo_loss(
     so with ``length_normalize=True`` their margin is not the h inside the loss.
     """
     _no_option("ipo", gamma=gamma, label_smoothing=label_smoothing)
-    if not length_normalize:
-        _no_option(
-            "ipo", hint=" or pass length_normalize=True to divide each log-ratio by its length",
-            chosen_len=chosen_len, rejected_len=rejected_len,
-        )
+    _lengths_only_if_normalized("ipo", length_normalize, chosen_len, rejected_len)
     if not beta > 0:
         raise ValueError(f"ipo needs beta > 0, got {beta!r}")
     rc, rr = _reference_log_ratios(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, "ipo")
     if length_normalize:
-        len_c, len_r = _lengths(chosen_len, rejected_len, chosen_logp, "ipo")
-        h = rc / len_c - rr / len_r
+        per_token_c, per_token_r = per_token_log_ratios(rc, rr, chosen_len, rejected_len, "ipo")
+        h = per_token_c - per_token_r
     else:
         h = rc - rr
     loss = (h - 1.0 / (2.0 * beta)).pow(2).mean()

@@ -29,6 +29,8 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from posttrain.data.answers import ANSWER_TAGS
+
 SPLITS = ("train", "validation", "test")
 SOLUTION_STYLES = ("concise", "verbose")  # the forms a solution is written in
 STYLES = (*SOLUTION_STYLES, "mixed")       # a task's style: one form, or each problem's by hash
@@ -210,3 +212,46 @@ def matches_style(response: str, style: str) -> bool:
         return bool(_INT.match(response.strip()))
     step = r"\d+(\+\d+)+=\d+"
     return re.fullmatch(rf"{step}({STEP_SEPARATOR}{step})*{ANSWER_MARKER}\d+", response.strip()) is not None
+
+
+# --- the r1 template (data.template=r1): the column steps as the reasoning, in DeepSeek-R1's tags ----
+# "<think>7+5=12,4+8+1=13,3+1+1=5</think><answer>532</answer>"; each tag is one token of the
+# embedded tokenizer (models/tiny.py), as "<think>" and "</think>" are in Qwen3's vocabulary.
+R1_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+# The form, in the order a response writes it: each tag once, around text without tags (the
+# task's alphabet has no "<"), and nothing after. Stricter than the r1 template's R1_SHAPE, which
+# a response repeating the tags can match.
+R1_STAGES = tuple(re.compile(stage) for stage in
+                  (r"\s*<think>", r"[^<]+</think>", r"\s*<answer>", r"[^<]+</answer>", r"\s*\Z"))
+
+def r1_solution(problem: Problem) -> str:
+    """The reference response of the r1 template: the verbose solution's column steps inside
+    <think>, the sum inside <answer>."""
+    steps = problem.solution("verbose").split(ANSWER_MARKER, 1)[0]
+    return f"<think>{steps}</think><answer>{problem.answer}</answer>"
+
+
+def r1_answer(response: str) -> str:
+    """The content of the last <answer>...</answer> of a response, stripped ("" when none)."""
+    found = ANSWER_TAGS.findall(response)
+    return found[-1].strip() if found else ""
+
+
+def verify_r1_answer(prompt: str, response: str) -> bool:
+    answer = r1_answer(response)
+    return bool(_INT.match(answer)) and int(answer) == sum(parse_prompt(prompt))
+
+
+def r1_format_score(response: str) -> float:
+    """The share of the r1 form a response has: the stages of R1_STAGES it follows from its
+    start, each a fifth (1: the whole form). Partial credit for the format reward
+    (reward.components.format.partial): a model that has never seen the tags writes the whole
+    form by chance about once in a million responses, and a binary reward gives it nothing to
+    learn from until then; this one rewards each step towards the form, in order."""
+    position = 0
+    for done, stage in enumerate(R1_STAGES):
+        match = stage.match(response, position)
+        if match is None:
+            return done / len(R1_STAGES)
+        position = match.end()
+    return 1.0

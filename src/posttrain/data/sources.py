@@ -20,15 +20,23 @@ from posttrain.data.word_problems import WordProblemSource, build_word_problem_s
 from posttrain.errors import ConfigError, DataError
 
 TRUNCATE_OPTIONS = ("left",)  # left: keep a prompt's last tokens (the question usually ends it)
+ARITHMETIC_TEMPLATES = ("plain", "r1")  # data.template of the arithmetic task (plain: the prompt as is)
 
 
 class ArithmeticSource:
     """Endless seeded addition problems; `style` picks the reference solution format
     (``mixed``: verbose for a `verbose_share` of the problems, by a stable hash of the prompt)."""
 
-    def __init__(self, min_digits=3, max_digits=3, num_operands=2, style="concise", seed=0, verbose_share=0.5):
+    def __init__(self, min_digits=3, max_digits=3, num_operands=2, style="concise", seed=0, verbose_share=0.5,
+                 template="plain"):
         if style not in arithmetic.STYLES:
             raise ConfigError(f"data.style={style!r} is not one of {arithmetic.STYLES}")
+        if template not in ARITHMETIC_TEMPLATES:
+            raise ConfigError(f"data.template={template!r}: the arithmetic task is asked in one of "
+                              f"{list(ARITHMETIC_TEMPLATES)} (r1: the column steps in <think>, the sum in <answer>)")
+        if template == "r1" and style != "verbose":
+            raise ConfigError(f"data.template=r1 puts the arithmetic task's written column steps inside <think>: it "
+                              f"needs data.style=verbose, got data.style={style}")
         is_number = isinstance(verbose_share, (int, float)) and not isinstance(verbose_share, bool)
         if not (is_number and 0 <= verbose_share <= 1):
             raise ConfigError(f"data.verbose_share={verbose_share!r} must be a number in [0, 1] (style=mixed: "
@@ -41,7 +49,12 @@ class ArithmeticSource:
         # a written column is a step (build_source sets data.step_separators' rule, this by default)
         self.step_rule = StepRule((arithmetic.STEP_SEPARATOR, arithmetic.ANSWER_MARKER))
         self.verbose_share = float(verbose_share)
-        self.alphabet = arithmetic.ALPHABET
+        self.r1 = template == "r1"
+        # r1: each tag is one token of the embedded tokenizer (models/tiny.py)
+        self.alphabet = (*arithmetic.ALPHABET, *arithmetic.R1_TAGS) if self.r1 else arithmetic.ALPHABET
+        # what closes a response's reasoning (posttrain-eval's thinking budget): the r1 template's
+        # </think>, else the answer marker after a verbose solution's column steps
+        self.end_of_thinking = "</think>" if self.r1 else None if style == "concise" else arithmetic.ANSWER_MARKER
         self.prompt_limits = PromptLimits()
 
     def size(self, split: str) -> int | None:
@@ -58,10 +71,14 @@ class ArithmeticSource:
 
     def example(self, split: str, index: int) -> Example:
         problem = self.task.problem(split, index)
+        if self.r1:
+            return Example(problem.prompt, arithmetic.r1_solution(problem), str(problem.answer))
         form = arithmetic.solution_style(problem.prompt, self.style, self.verbose_share)
         return Example(problem.prompt, problem.solution(form), str(problem.answer))
 
     def is_correct(self, example: Example, response: str) -> bool:
+        if self.r1:
+            return arithmetic.verify_r1_answer(example.prompt, response)
         return arithmetic.verify_answer(example.prompt, response)
 
     def step_correctness(self, example: Example, response: str) -> list[bool]:
@@ -69,6 +86,8 @@ class ArithmeticSource:
 
     def final_answer(self, response: str) -> str | None:
         """What the response answers (majority voting compares these), None when nothing."""
+        if self.r1:
+            return arithmetic.r1_answer(response) or None
         return arithmetic.extract_answer(response) or None
 
     def step_labels(self, example: Example, steps: list[str]) -> list[bool]:
@@ -76,7 +95,16 @@ class ArithmeticSource:
         return arithmetic.label_steps(example.prompt, steps)
 
     def has_style(self, response: str) -> bool:
+        if self.r1:
+            return arithmetic.r1_format_score(response) == 1.0
         return arithmetic.matches_style(response, self.style)
+
+    def format_score(self, response: str) -> float:
+        """The format reward's partial credit (reward.components.format.partial): the share of
+        the r1 form a response has; the other templates' shapes are all or nothing."""
+        if self.r1:
+            return arithmetic.r1_format_score(response)
+        return float(self.has_style(response))
 
 
 class JsonlSource(ListSource):
@@ -183,6 +211,7 @@ def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
         source = ArithmeticSource(
             data_cfg.min_digits, data_cfg.max_digits, data_cfg.num_operands, data_cfg.style, data_cfg.seed,
             data_cfg.get("verbose_share", 0.5),  # read only by style=mixed (older configs lack the key)
+            data_cfg.get("template", "plain"),  # r1 (conf/experiment/r1_zero.yaml); the file sets none
         )
     elif data_cfg.source == "word_problems":
         source = build_word_problem_source(data_cfg)

@@ -39,6 +39,7 @@ class PromptTemplate:
     response: Callable[[str, str], str]        # (reference solution, final answer) -> SFT target
     has_style: Callable[[str], bool]           # does a generated response have the asked shape
     system: str | None = None                  # the system message of the chat form
+    end_of_thinking: str | None = None         # what closes the reasoning (posttrain-eval's thinking budget)
 
     def messages(self, question: str) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -81,7 +82,8 @@ TEMPLATES: dict[str, PromptTemplate] = {
     "boxed": PromptTemplate("boxed", user=boxed_user, text=boxed_user, response=boxed_response,
                             has_style=lambda r: last_boxed_content(r) is not None),
     "r1": PromptTemplate("r1", user=lambda q: q, text=r1_text, response=r1_response,
-                         has_style=lambda r: R1_SHAPE.fullmatch(r) is not None, system=R1_INSTRUCTION),
+                         has_style=lambda r: R1_SHAPE.fullmatch(r) is not None, system=R1_INSTRUCTION,
+                         end_of_thinking="</think>"),
 }
 
 

@@ -4,12 +4,16 @@
     posttrain-eval checkpoint=<run dir>/checkpoints/step000300.ckpt pass_k=[1,4,8] num_samples=8
     posttrain-eval checkpoint=<Hugging Face model dir> eval.split=test eval.num_prompts=512
     posttrain-eval checkpoint=<run dir> best_of_n.n=[1,4,16] best_of_n.prm=oracle
+    posttrain-eval checkpoint=<run dir> thinking_budget=[4,8,16]         # accuracy against a thinking budget
 
-Reports held-out greedy accuracy and mean response length through training's own
-validation code (so a run's final model reproduces the `eval/*` numbers of its
-summary.json), unbiased pass@k from `num_samples` sampled responses per prompt, and, with
+Reports held-out greedy accuracy, mean response length and calibration (`eval/ece`,
+`eval/confidence`, `eval/reliability/*`) through training's own validation code (so a
+run's final model reproduces the `eval/*` numbers of its summary.json), unbiased pass@k
+from `num_samples` sampled responses per prompt, and, with
 `best_of_n.n`, best-of-n accuracy by a PRM, an ORM, majority vote and the verifier
-(best_of_n.py). Writes eval.json in outputs/eval/runs/<time>/.
+(best_of_n.py), and, with `thinking_budget`, greedy accuracy when the reasoning is cut at
+each budget and its end forced (rollout/thinking.py). Writes eval.json in
+outputs/eval/runs/<time>/.
 """
 
 from __future__ import annotations
@@ -73,6 +77,53 @@ def check_sampling(cfg: DictConfig) -> None:
                           f"(the greedy accuracy is reported anyway; pass_k=[] skips sampling)")
 
 
+def check_thinking_budgets(cfg: DictConfig) -> list[int]:
+    """`thinking_budget`: null, or one or several numbers of reasoning tokens (each >= 0)."""
+    value = cfg.get("thinking_budget")
+    if value is None:
+        return []
+    budgets = [value] if isinstance(value, int) else list(value) if OmegaConf.is_list(value) else None
+    if not budgets or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in budgets):
+        raise ConfigError(f"thinking_budget={value!r}: expected null, or a number of reasoning tokens >= 0 or a "
+                          f"list of them, e.g. thinking_budget=[8,16,32]")
+    return budgets
+
+
+def end_of_thinking_ids(cfg: DictConfig, source, tokenizer) -> tuple[str, list[int]]:
+    """The marker that ends a response's reasoning, as text and as token ids: `end_of_thinking`,
+    else the task's own (the r1 template's </think>; the arithmetic task's ">" after its verbose
+    column steps)."""
+    template = getattr(source, "template", None)
+    marker = (cfg.get("end_of_thinking") or getattr(source, "end_of_thinking", None)
+              or getattr(template, "end_of_thinking", None))
+    if not marker:
+        raise ConfigError(f"thinking_budget={cfg.thinking_budget}: this task has no marker that ends the reasoning "
+                          f"(data.template=r1 has </think>, data.style=verbose of the arithmetic task has '>'); "
+                          f"name it with end_of_thinking=..., e.g. end_of_thinking='</think>' for Qwen3")
+    ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
+    if not ids or tokenizer.unk_token_id in ids:
+        raise ConfigError(f"end_of_thinking={marker!r} is not in the tokenizer's vocabulary (it encodes as {ids})")
+    return marker, ids
+
+
+def thinking_budget_scores(module, batch: dict, budget: int, end_ids: list[int]):
+    """[rows, 3]: (correct, response length, forced) of a greedy response to each prompt of
+    `batch` with at most `budget` reasoning tokens (rollout.thinking)."""
+    import torch  # start-up: torch loads only once the arguments are checked
+
+    from posttrain.rollout import SamplingParams
+    from posttrain.rollout.base import decode_responses
+    from posttrain.rollout.thinking import generate_with_thinking_budget
+
+    params = SamplingParams(max_new_tokens=module.eval_max_new_tokens, greedy=True, temperature=0.0)
+    out = generate_with_thinking_budget(module.generate, batch["prompt_ids"], batch["prompt_mask"], params, budget,
+                                        end_ids, module.tokenizer.pad_token_id)
+    texts = decode_responses(module.tokenizer, out.batch.response_ids, out.batch.response_mask)
+    correct = [float(module.source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
+    return torch.stack([torch.tensor(correct), out.batch.response_lengths().float().cpu(), out.forced.float().cpu()],
+                       dim=1)
+
+
 def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
     """Training's held-out evaluation, inherited as it is (greedy accuracy and response length
     through `validation_step`), plus `predict_step`: `num_samples` responses per prompt sampled
@@ -92,11 +143,15 @@ def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
                              eval_max_new_tokens=cfg.eval.max_new_tokens)
             self.sampling, self.num_samples, self.seed = sampling, num_samples, seed
             self.judges = None  # best_of_n.Judges: predict judges the samples instead of counting correct ones
+            # (budget, end-of-thinking token ids): predict scores greedy responses under a thinking budget
+            self.thinking = None
 
         def on_predict_start(self) -> None:
             self.generator = torch.Generator(device=self.device).manual_seed(self.seed)  # the same draws every time
 
         def predict_step(self, batch, batch_idx):
+            if self.thinking is not None:
+                return thinking_budget_scores(self, batch, *self.thinking)
             # the loader's batches are batch_size // num_samples prompts: one generate call each
             if self.judges is not None:
                 return sample_and_judge(self, batch, self.sampling, self.num_samples, self.generator, self.judges)
@@ -112,6 +167,7 @@ def evaluate(cfg: DictConfig) -> dict:
     """Score the policy at `cfg.checkpoint`; returns the results also written to eval.json."""
     # what to load, and from which settings, before anything heavy loads: mistakes fail fast
     check_sampling(cfg)  # the command line's alone, whatever the run says
+    thinking_budgets = check_thinking_budgets(cfg)
     from posttrain.eval.best_of_n import check_best_of_n  # start-up: it loads torch; the cheap check comes first
 
     best_of_n_sizes = check_best_of_n(cfg)
@@ -161,6 +217,8 @@ def evaluate(cfg: DictConfig) -> dict:
         check_source_for_prm(cfg.best_of_n, source, cfg.data.source)
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
     module = build_eval_module(policy, tokenizer, source, cfg)
+    if thinking_budgets:  # before any generation: a task without a marker fails fast
+        marker, end_ids = end_of_thinking_ids(cfg, source, tokenizer)
     # the held-out prompts exactly as training builds them (no training stream: batch_size unused)
     datamodule = PosttrainDataModule(source, tokenizer, batch_size=1, train_collate=None, eval_split=cfg.eval.split,
                                      eval_num_prompts=cfg.eval.num_prompts, eval_batch_size=cfg.eval.batch_size)
@@ -172,6 +230,9 @@ def evaluate(cfg: DictConfig) -> dict:
 
     greedy = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     results = {"eval/accuracy": float(greedy["eval/accuracy"]), "eval/response_len": float(greedy["eval/response_len"])}
+    # calibration of the greedy responses (PosttrainModule.log_calibration): ECE, mean confidence, reliability bins
+    results.update({k: float(v) for k, v in greedy.items() if k in ("eval/ece", "eval/confidence")
+                    or k.startswith("eval/reliability/")})
 
     def predict_sampled(num_samples: int) -> list:
         """module.predict_step over the held-out prompts, `num_samples` responses each."""
@@ -185,6 +246,17 @@ def evaluate(cfg: DictConfig) -> dict:
         num_correct = torch.cat(predict_sampled(cfg.num_samples))
         for k in cfg.pass_k:
             results[f"eval/pass@{k}"] = float(pass_at_k(cfg.num_samples, num_correct, k).mean())
+    if thinking_budgets:
+        # greedy responses with at most `budget` reasoning tokens each (rollout/thinking.py)
+        loader = DataLoader(datamodule.eval_examples, batch_size=cfg.eval.batch_size, shuffle=False,
+                            collate_fn=lambda examples: collate_prompts(examples, tokenizer))
+        for budget in thinking_budgets:
+            module.thinking = (budget, end_ids)
+            correct, length, forced = torch.cat(trainer.predict(module, dataloaders=loader)).mean(dim=0).tolist()
+            results.update({f"eval/thinking@{budget}/accuracy": correct, f"eval/thinking@{budget}/response_len": length,
+                            f"eval/thinking@{budget}/forced_frac": forced})
+        module.thinking = None
+        results.update(thinking_budgets=thinking_budgets, end_of_thinking=marker)
     if best_of_n_sizes:
         started = time.perf_counter()
         module.judges = build_judges(cfg.best_of_n, policy)
@@ -217,9 +289,17 @@ def print_results(results: dict, pass_k: list[int], best_of_n_sizes: list[int]) 
     table.add_column("value", justify="right")
     table.add_row("accuracy (greedy)", f"{results['eval/accuracy']:.1%}")
     table.add_row("response_len (greedy)", f"{results['eval/response_len']:.2f} tok")
+    if "eval/ece" in results:
+        table.add_row("confidence (greedy)", f"{results['eval/confidence']:.1%}")
+        bins = sum(key.startswith("eval/reliability/") and key.endswith("/share") for key in results)
+        table.add_row(f"ECE (greedy, {bins} bins)", f"{results['eval/ece']:.3f}")
     for k in pass_k:
         table.add_row(f"pass@{k} (n={results['num_samples']}, T={results['temperature']:g})",
                       f"{results[f'eval/pass@{k}']:.1%}")
+    for budget in results.get("thinking_budgets", []):
+        table.add_row(f"accuracy (greedy, thinking budget {budget}; forced "
+                      f"{results[f'eval/thinking@{budget}/forced_frac']:.0%})",
+                      f"{results[f'eval/thinking@{budget}/accuracy']:.1%}")
     log.info(render(table))  # through the logger: also in eval.log
     if best_of_n_sizes:
         title = (f"best-of-n accuracy: {results['num_prompts']} prompts, {results['best_of_n_samples']} samples "

@@ -12,7 +12,9 @@ not read.
 A "choice" is one value of the sweep's axes other than the seed (or of the keys given with
 --by); the runs of a choice are its seeds. The table gives mean ± sample std over seeds (n
 shown; n = 1: the value alone); the plots draw one line per choice (the mean over seeds) with
-a band from the lowest to the highest seed, over rollout batches.
+a band from the lowest to the highest seed, over rollout batches. Runs that logged held-out
+calibration (`eval/ece`, `eval/reliability/*`) add a calibration table (ECE and confidence
+before and after) and `reliability.png`, the reliability diagram before and after training.
 """
 
 from __future__ import annotations
@@ -191,6 +193,8 @@ PANELS = (
     ("eval_accuracy", "held-out accuracy % (greedy)", ("eval/accuracy",), 100.0),
     # beside the accuracy: a learned reward's score of the same responses (over-optimisation shows as a parting)
     ("proxy_reward", "held-out proxy reward (learned, greedy)", ("eval/proxy_reward",), 1.0),
+    # calibration of the greedy responses: expected calibration error (0: confidence = accuracy)
+    ("ece", "held-out calibration error (ECE, greedy)", ("eval/ece",), 1.0),
     ("response_length", "response length (tokens)", ("rollout/response_len_mean", "eval/response_len"), 1.0),
     ("kl", "KL to the reference", ("policy/kl",), 1.0),
     ("entropy", "entropy (nats / token)", ("policy/entropy",), 1.0),
@@ -296,6 +300,107 @@ def write_plots(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Pat
     return ["curves.png"] + files
 
 
+# --- calibration: ECE and the reliability diagram ------------------------------------------------
+
+CALIBRATION_COLUMNS = (
+    ("ECE start", lambda r: _scaled(r, "eval/ece_start"), ".3f"),
+    ("ECE end", lambda r: _scaled(r, "eval/ece"), ".3f"),
+    ("confidence start %", lambda r: _scaled(r, "eval/confidence_start", 100), ".1f"),
+    ("confidence end %", lambda r: _scaled(r, "eval/confidence", 100), ".1f"),
+    ("acc start %", lambda r: _scaled(r, "eval/accuracy_start", 100), ".1f"),
+    ("acc end %", lambda r: _scaled(r, "eval/accuracy", 100), ".1f"),
+)
+
+
+def reliability_points(members: list[dict], suffix: str = "") -> tuple[list[float], list[float], list[float]]:
+    """(mean confidence, accuracy, share) of each non-empty confidence bin, pooled over the
+    runs of a choice: each run's bin weighted by its share of that run's responses. Read from
+    summary.json's `eval/reliability/bin<b>/{share,confidence,accuracy}<suffix>` (suffix
+    '_start': before training)."""
+    pattern = re.compile(rf"eval/reliability/bin(\d+)/share{suffix}$")
+    bins = sorted({int(m.group(1)) for run in members for key in run if (m := pattern.match(key))})
+    confidence, accuracy, share = [], [], []
+    for b in bins:
+        prefix = f"eval/reliability/bin{b:02d}/"
+        rows = [(run[f"{prefix}share{suffix}"], run[f"{prefix}confidence{suffix}"], run[f"{prefix}accuracy{suffix}"])
+                for run in members if f"{prefix}share{suffix}" in run]
+        weight = sum(w for w, _, _ in rows)
+        if weight <= 0:  # an empty bin in every run
+            continue
+        confidence.append(sum(w * c for w, c, _ in rows) / weight)
+        accuracy.append(sum(w * a for w, _, a in rows) / weight)
+        share.append(weight / len(rows))
+    return confidence, accuracy, share
+
+
+def write_reliability_plot(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Path) -> str | None:
+    """reliability.png: accuracy against confidence per bin, before and after training, one
+    line per choice (its seeds pooled), marker area by the bin's share; the diagonal is a
+    calibrated model. None when no run has reliability bins."""
+    panels = [(suffix, title) for suffix, title in (("_start", "before training"), ("", "after training"))
+              if any(reliability_points(members, suffix)[0] for members in groups.values())]
+    if not panels:
+        return None
+    # start-up: plotting loads only when a report draws
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # start-up: plotting loads only when a report draws
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0), squeeze=False)
+    for ax, (suffix, title) in zip(axes[0], panels):
+        ax.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=0.8)
+        for i, members in enumerate(groups.values()):
+            confidence, accuracy, share = reliability_points(members, suffix)
+            if confidence:
+                ax.plot(confidence, accuracy, color=f"C{i % 10}", linewidth=1.0)
+                ax.scatter(confidence, accuracy, s=[20 + 200 * w for w in share], color=f"C{i % 10}", alpha=0.7)
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (probability of the greedy response)",
+               ylabel="accuracy")
+        ax.set_title(f"reliability, {title}", fontsize=9)
+        ax.xaxis.label.set_fontsize(8)
+        ax.yaxis.label.set_fontsize(8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    # one legend below the panels, a row per choice (labels can be long)
+    handles = [Line2D([], [], color="black", linestyle="--", label="calibrated (accuracy = confidence)")]
+    handles += [Line2D([], [], color=f"C{i % 10}", marker="o", label=label) for i, label in enumerate(labels)]
+    fig.legend(handles=handles, loc="lower center", ncol=1, fontsize=7, frameon=False)
+    legend_height = 0.17 * len(handles) + 0.1  # inches
+    fig.set_figheight(fig.get_figheight() + legend_height)
+    fig.tight_layout(rect=(0, legend_height / fig.get_figheight(), 1, 1))
+    fig.savefig(out_dir / "reliability.png", dpi=120)
+    plt.close(fig)
+    return "reliability.png"
+
+
+def calibration_section(groups: dict[tuple, list[dict]], labels: list[str], by: list[str], out_dir: Path) -> list[str]:
+    """The report's calibration section (runs that logged eval/ece): a table of ECE, confidence
+    and accuracy per choice, and the reliability diagram; [] when no run has it."""
+    if not any("eval/ece" in run for members in groups.values() for run in members):
+        return []
+    body = [list(key) + [str(len(members))] + [mean_std([value(run) for run in members], fmt)
+                                               for _, value, fmt in CALIBRATION_COLUMNS]
+            for key, members in groups.items()]
+    picture = write_reliability_plot(groups, labels, out_dir)
+    lines = [
+        "## Calibration",
+        "",
+        "Held-out greedy responses: confidence is the policy's probability of its whole response "
+        "(exp of the sum of its token log-probs), ECE the expected calibration error over equal-width "
+        "confidence bins (0: confidence equals accuracy in every bin; confidence above accuracy: "
+        "over-confident).",
+        "",
+        *markdown_table(by + ["n"] + [name for name, _, _ in CALIBRATION_COLUMNS], body),
+        "",
+    ]
+    if picture:
+        lines += [f"![reliability]({picture})", ""]
+    return lines
+
+
 # --- the report -------------------------------------------------------------------------------
 
 
@@ -315,7 +420,7 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
                           f"the runs' overrides and choices are: {', '.join(sorted(known))}")
     for run in runs:
         run["history"] = load_history(run["path"])
-        for name in ("eval/accuracy", "eval/response_len", "eval/proxy_reward"):  # curves start at the start eval
+        for name in ("eval/accuracy", "eval/response_len", "eval/proxy_reward", "eval/ece"):  # from the start eval
             if name in run["history"] and f"{name}_start" in run:
                 run["history"][name].setdefault(0, run[f"{name}_start"])
 
@@ -348,6 +453,7 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
             "(rollout/mismatch/*). A choice with an invalid run is marked invalid; do not compare it as it is.",
             "",
         ]
+    lines += calibration_section(groups, labels, by, out_dir)
     lines += [
         "## Curves",
         "",

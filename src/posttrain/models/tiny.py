@@ -6,6 +6,8 @@ output reloads with `AutoTokenizer` / `AutoModelForCausalLM` and generates.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -13,13 +15,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
 
-def build_char_tokenizer(alphabet: str, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
-    """One token per character of ``alphabet`` plus pad / eos / unk specials.
+def build_char_tokenizer(alphabet: str | Sequence[str], model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+    """One token per symbol of ``alphabet`` plus pad / eos / unk specials. A symbol is a
+    character, or a whole word where ``alphabet`` is a sequence holding longer strings (the
+    r1 template's tags, "<think>" ...: one token each, as in Qwen3's vocabulary).
 
     ``model_max_length`` is the model's context (its max_position_embeddings): prompt checks
     read it, and the export records it instead of transformers' "unknown" sentinel (1e30).
     """
-    chars = list(dict.fromkeys(alphabet))  # de-duplicated, order kept
+    symbols = list(dict.fromkeys(alphabet))  # de-duplicated, order kept
+    chars = [s for s in symbols if len(s) == 1]
+    words = [s for s in symbols if len(s) > 1]
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK] + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -28,6 +34,9 @@ def build_char_tokenizer(alphabet: str, model_max_length: int | None = None) -> 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left", **extra
     )
+    # added tokens, matched before the split into characters: an exported tokenizer keeps them
+    # whatever class transformers reloads it as (a Qwen2 model's gets Qwen2's own pre-tokenizer)
+    tokenizer.add_tokens(words)
     return tokenizer
 
 

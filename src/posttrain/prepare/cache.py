@@ -147,7 +147,7 @@ def cache_lock(target: Path, label: str = "Warm start") -> Iterator[Path]:
 NOT_IN_SFT = ("algorithms/online.py", "algorithms/terms.py", "algorithms/experience.py", "models/roles.py",
               "algorithms/reward_model.py", "algorithms/preference.py", "algorithms/prm.py", "prepare/teachers.py",
               "prepare/preference_pairs.py", "prepare/step_rows.py", "eval/evaluate.py", "eval/best_of_n.py",
-              "eval/report.py")
+              "eval/report.py", "eval/sample_dataset.py", "algorithms/collect.py", "algorithms/producer.py")
 
 
 @functools.cache

@@ -12,7 +12,9 @@ from posttrain.rewards.components import (
     AccuracyReward,
     FormatReward,
     LengthPenaltyReward,
+    LinearLengthPenalty,
     OverlongReward,
+    ResponseLength,
 )
 from posttrain.rewards.composite import CompositeReward
 
@@ -22,7 +24,9 @@ __all__ = [
     "CompositeReward",
     "FormatReward",
     "LengthPenaltyReward",
+    "LinearLengthPenalty",
     "OverlongReward",
+    "ResponseLength",
     "RewardFunction",
     "RewardOutput",
     "ScoredSample",

@@ -26,8 +26,9 @@ from posttrain.rewards.base import RewardFunction, ScoredSample
 from posttrain.rewards.components import REWARD_FUNCTIONS
 from posttrain.rewards.composite import ON_ERROR_MODES, CompositeReward
 
-# path / paths: the reward model preset's shorthands (reward.path=<dir>), read by its component
-TOP_LEVEL_KEYS = ("name", "on_error", "failure_score", "components", "path", "paths")
+# path / paths: the reward model preset's shorthands (reward.path=<dir>), read by its component;
+# constraint: a Lagrangian constraint on one component, applied by the trainer (online.py), not here
+TOP_LEVEL_KEYS = ("name", "on_error", "failure_score", "components", "path", "paths", "constraint")
 # A built-in constructor with this parameter gets the generation budget (rollout.max_new_tokens).
 BUDGET_PARAM = "max_new_tokens"
 # ... and with these, the run's policy and tokenizer (a learned scorer runs on the policy's

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from posttrain.core.length import dapo_overlong_penalty, kimi_length_reward
+from posttrain.core.length import dapo_overlong_penalty, kimi_length_reward, linear_length_penalty
 from posttrain.rewards.base import RewardFunction, ScoredSample
 from posttrain.rewards.prm import ProcessReward
 from posttrain.rewards.reward_model import RewardModelScorer
@@ -46,15 +46,27 @@ class AccuracyReward:
 
 class FormatReward:
     """Format reward (DeepSeek-R1): `match_score` when the response has the task's
-    expected shape (`source.has_style`), else `miss_score`."""
+    expected shape (`source.has_style`), else `miss_score`. With `partial`, the share s of the
+    shape the response has (`source.format_score`, in [0, 1]; the r1 template's tags on the
+    arithmetic task) scores miss_score + s * (match_score - miss_score): a signal for a model
+    that never writes the whole shape by chance (RL from a random model, experiment=r1_zero)."""
 
     name = "format"
 
-    def __init__(self, match_score: float = 1.0, miss_score: float = 0.0):
+    def __init__(self, match_score: float = 1.0, miss_score: float = 0.0, partial: bool = False):
+        if not isinstance(partial, bool):
+            raise ValueError(f"partial must be true or false, got {partial!r}")
         self.match_score = float(match_score)
         self.miss_score = float(miss_score)
+        self.partial = partial
 
     def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        if self.partial:
+            if not hasattr(source, "format_score"):
+                raise ValueError("reward.components.format.partial=true reads the task's partial format score, "
+                                 "which only data.source=arithmetic has; set it to false")
+            share = torch.tensor([float(source.format_score(s.response)) for s in samples])
+            return self.miss_score + share * (self.match_score - self.miss_score)
         matched = torch.tensor([bool(source.has_style(s.response)) for s in samples], dtype=torch.bool)
         return torch.where(matched, torch.tensor(self.match_score), torch.tensor(self.miss_score))
 
@@ -114,6 +126,55 @@ class LengthPenaltyReward:
         return kimi_length_reward(lengths, verify(samples, source), groups, self.only_groups_with_a_correct_answer)
 
 
+# What a length score may be divided by (`normalize_by`): nothing (null, a score in tokens) or the
+# generation budget (a share of rollout.max_new_tokens).
+LENGTH_NORMALIZERS = ("max_new_tokens",)
+
+
+def length_normalizer(normalize_by: str | None, max_new_tokens: int) -> float:
+    """The number a length is divided by: 1 (tokens), or the generation budget."""
+    if normalize_by is None:
+        return 1.0
+    if normalize_by not in LENGTH_NORMALIZERS:
+        raise ValueError(f"normalize_by must be null (tokens) or one of {list(LENGTH_NORMALIZERS)}, "
+                         f"got {normalize_by!r}")
+    return float(max_new_tokens)
+
+
+class LinearLengthPenalty:
+    """The linear length penalty r - lambda * |y| of the seeds (a per-token cost, paid once at the
+    last step, as alpha_len * T): -coef * length, `coef` per token, or per share of the generation
+    budget with `normalize_by: max_new_tokens` (then -coef is the score of a response that fills
+    it). Every response pays, right or wrong, and a group whose lengths agree pays alike: the
+    pressure is towards shorter responses everywhere, at the price of the accuracy they cost."""
+
+    name = "length_linear"
+
+    def __init__(self, coef: float, normalize_by: str | None = None, *, max_new_tokens: int):
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+            raise ValueError(f"coef must be a finite number >= 0 (the penalty of one token), got {coef!r}")
+        self.coef = float(coef)
+        self.normalizer = length_normalizer(normalize_by, max_new_tokens)
+
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        lengths = torch.tensor([s.length for s in samples], dtype=torch.float32)
+        return linear_length_penalty(lengths, self.coef, self.normalizer)
+
+
+class ResponseLength:
+    """The response's length as a cost, for reward.constraint ({cost: response_length}) with
+    weight 0 (logged as rewards/response_length/mean, out of the total): its share of the generation
+    budget by default (a number in [0, 1]), or tokens with `normalize_by: null`."""
+
+    name = "response_length"
+
+    def __init__(self, normalize_by: str | None = "max_new_tokens", *, max_new_tokens: int):
+        self.normalizer = length_normalizer(normalize_by, max_new_tokens)
+
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        return torch.tensor([s.length for s in samples], dtype=torch.float32) / self.normalizer
+
+
 class RepetitionReward:
     """-1 for a response the rollout stopped because it started looping (`ScoredSample.repeated`,
     rollout.repetition), else 0: its weight is the penalty. A component of `reward=composite`
@@ -132,6 +193,8 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "format": FormatReward,
     "overlong": OverlongReward,
     "length_penalty": LengthPenaltyReward,
+    "length_linear": LinearLengthPenalty,
+    "response_length": ResponseLength,
     "repetition": RepetitionReward,
     "reward_model": RewardModelScorer,
     "prm": ProcessReward,
