@@ -29,8 +29,9 @@ def test_ptx_on_pretraining_text_adds_the_language_model_gradient(make_config, t
     """The update's gradient is the RL terms' plus ptx_coef times that of the mean next-token
     loss on chunks of the text, computed here by hand from the policy's logits."""
     coef, rows = 0.5, 4
-    module = random_online_module(make_config, f"algorithm.ptx_coef={coef}", f"algorithm.ptx_data={write_corpus(tmp_path)}",
-                                  "algorithm.ptx_seq_len=12", f"algorithm.ptx_batch_size={rows}")
+    module = random_online_module(make_config, f"algorithm.ptx_coef={coef}",
+                                  f"algorithm.ptx_data={write_corpus(tmp_path)}", "algorithm.ptx_seq_len=12",
+                                  f"algorithm.ptx_batch_size={rows}")
     exp = scored_batch(module)
     params = [p for p in module.policy.parameters() if p.requires_grad]
 

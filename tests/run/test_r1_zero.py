@@ -8,7 +8,8 @@ from posttrain.train import run
 
 def test_r1_zero_trains_the_base_model_on_the_r1_form(make_config, tmp_path):
     cfg = make_config("experiment=r1_zero", *FAST_RUN, "algorithm.prompts_per_step=4", "algorithm.group_size=8",
-                      "trainer.max_steps=3", "trainer.val_check_interval=3", "callbacks.checkpoint.every_n_train_steps=3",
+                      "trainer.max_steps=3", "trainer.val_check_interval=3",
+                      "callbacks.checkpoint.every_n_train_steps=3",
                       "eval.num_prompts=16", "eval.batch_size=16")
     assert cfg.algorithm.warm_start.steps == 0 and cfg.model.init_from is None  # the random "base" model
     assert cfg.data.template == "r1" and cfg.data.style == "verbose"

@@ -93,7 +93,7 @@ def read_hub_texts(name: str) -> list[str]:
     dataset, _, config = name.partition(":")
     try:
         table = datasets.load_dataset(dataset, config or None, split="train")
-    except Exception as err:  # no network, unknown name, unknown config
+    except Exception as err:  # noqa: BLE001 - no network, unknown name, unknown config: all one message
         raise DataError(f"{KEY}={name!r} could not be loaded from the Hugging Face hub: {type(err).__name__}: "
                         f"{(str(err).strip().splitlines() or [''])[0]}. Without network, write the text to a local "
                         f"file (one document a line, or a .jsonl with a {TEXT_FIELD!r} field) and name that file")

@@ -6,7 +6,7 @@ output reloads with `AutoTokenizer` / `AutoModelForCausalLM` and generates.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

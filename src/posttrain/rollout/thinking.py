@@ -16,8 +16,8 @@ template's tags, ">" after the column steps of the embedded verbose task. Any en
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 import torch
 
