@@ -15,19 +15,16 @@ warm start and the embedded teachers are trained by `run` itself, handed to prep
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-import hydra
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from posttrain.conf import CONFIG_DIR
 from posttrain.errors import PosttrainError
-from posttrain.run.boundary import hydra_choices, log, run_inside_boundary, silence_expected_warnings
-from posttrain.run.cli import check_group_options, resume_arguments, sweep_arguments
+from posttrain.run.boundary import hydra_choices, hydra_command, log, silence_expected_warnings
+from posttrain.run.cli import resume_arguments, sweep_arguments
 
 
 def run(cfg: DictConfig, announce: bool = True) -> dict:
@@ -183,22 +180,8 @@ def build_module(cfg: DictConfig, policy, tokenizer, source):
         raise
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
-def _hydra_entry(cfg: DictConfig) -> None:
-    run_inside_boundary("posttrain", lambda: run(cfg), Path(cfg.paths.output_dir), Path(cfg.paths.log_dir),
-                        log_name="train.log")
-
-
-def main() -> None:
-    try:
-        arguments = resume_arguments(sys.argv[1:])
-        check_group_options(arguments)  # before Hydra, which would list every option and make a run dir
-        sys.argv[1:] = sweep_arguments(arguments)
-    except PosttrainError as err:
-        print(f"posttrain: error: {err}", file=sys.stderr)
-        sys.exit(1)
-    _hydra_entry()
-
+main = hydra_command("posttrain", "train", run, log_name="train.log",
+                     rewrite_arguments=lambda arguments: sweep_arguments(resume_arguments(arguments)))
 
 if __name__ == "__main__":
     main()

@@ -18,16 +18,12 @@ outputs/eval/runs/<time>/.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from posttrain.conf import CONFIG_DIR
-from posttrain.errors import ConfigError, DataError, PosttrainError
-from posttrain.run.boundary import log, run_inside_boundary, silence_expected_warnings
-from posttrain.run.cli import check_group_options
+from posttrain.errors import ConfigError, DataError
+from posttrain.run.boundary import hydra_command, log, silence_expected_warnings
 from posttrain.run.run_dir import find_weights, is_adapter_dir, load_from_adapter
 
 # What a run's config.yaml decides, so that the tokenizer, task, prompts and numerics are training's.
@@ -310,20 +306,7 @@ def print_results(results: dict, pass_k: list[int], best_of_n_sizes: list[int]) 
         log.info(render(best_of_n_table(results, best_of_n_sizes, title), width=120))  # 8 columns: wider
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")
-def _hydra_entry(cfg: DictConfig) -> None:
-    run_inside_boundary("posttrain-eval", lambda: evaluate(cfg), Path(cfg.paths.output_dir), Path(cfg.paths.log_dir),
-                        log_name="eval.log")
-
-
-def main() -> None:
-    try:
-        check_group_options(sys.argv[1:])  # before Hydra, which would list every option and make a run dir
-    except PosttrainError as err:
-        print(f"posttrain-eval: error: {err}", file=sys.stderr)
-        sys.exit(1)
-    _hydra_entry()
-
+main = hydra_command("posttrain-eval", "evaluate", evaluate, log_name="eval.log")
 
 if __name__ == "__main__":
     main()

@@ -36,13 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from posttrain.conf import CONFIG_DIR
-from posttrain.errors import CheckpointError, ConfigError, DataError, PosttrainError
-from posttrain.run.boundary import log, run_inside_boundary, silence_expected_warnings
-from posttrain.run.cli import check_group_options, override_key
+from posttrain.errors import CheckpointError, ConfigError, DataError
+from posttrain.run.boundary import hydra_command, log, silence_expected_warnings
+from posttrain.run.cli import override_key
 
 # The keys of this command's own that a `posttrain` run training an embedded teacher must not get.
 OWN_KEYS = ("sample", "teacher", "algorithm", "experiment", "task_name", "hydra")
@@ -307,20 +305,7 @@ def print_summary(summary: dict, output: Path) -> None:
     log.info(f"train on it: posttrain algorithm=sft data=jsonl data.files.train={files['train']}{validation}")
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="sample")
-def _hydra_entry(cfg: DictConfig) -> None:
-    run_inside_boundary("posttrain-sample", lambda: sample_dataset(cfg), Path(cfg.paths.output_dir),
-                        Path(cfg.paths.log_dir), log_name="sample.log")
-
-
-def main() -> None:
-    try:
-        check_group_options(sys.argv[1:])  # before Hydra, which would list every option and make a run dir
-    except PosttrainError as err:
-        print(f"posttrain-sample: error: {err}", file=sys.stderr)
-        sys.exit(1)
-    _hydra_entry()
-
+main = hydra_command("posttrain-sample", "sample", sample_dataset, log_name="sample.log")
 
 if __name__ == "__main__":
     main()

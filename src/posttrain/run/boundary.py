@@ -1,5 +1,6 @@
-"""The one error boundary of the `posttrain` and `posttrain-eval` commands, and what both share:
-the user-facing logger, the Lightning warnings silenced by design, the Hydra choices.
+"""The one error boundary of the Hydra commands (`posttrain`, `posttrain-eval`, `posttrain-sample`),
+and what they share: the command itself (`hydra_command`), the user-facing logger, the Lightning
+warnings silenced by design, the Hydra choices.
 
 Inside the boundary a user's mistake (a `PosttrainError`, an OmegaConf error) is one line
 `<program>: error: ...` and exit 1, and a run directory that holds nothing of the job's own is
@@ -13,9 +14,13 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import hydra
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from posttrain.conf import CONFIG_DIR
 from posttrain.errors import PosttrainError, PreemptedError
+from posttrain.run.cli import check_group_options
 from posttrain.run.console import log, setup_console
 from posttrain.run.run_dir import remove_unused_run_dir
 
@@ -58,3 +63,26 @@ def run_inside_boundary(program: str, job: Callable[[], object], output_dir: Pat
     except Exception:  # a bug: its traceback printed once, and kept in the log file
         log.exception(f"{program}: unexpected error (a bug: please report it with this traceback)")
         sys.exit(1)
+
+
+def hydra_command(program: str, config_name: str, job: Callable[[DictConfig], object], log_name: str,
+                  rewrite_arguments: Callable[[list[str]], list[str]] = list) -> Callable[[], None]:
+    """The console entry point of a Hydra command: its arguments rewritten (`resume=`, sweeps)
+    and its group options checked before Hydra composes anything (Hydra would list every option
+    and make a run dir), then `job(cfg)` run inside the boundary, logging to `log_name`."""
+    @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)
+    def run_job(cfg: DictConfig) -> None:
+        run_inside_boundary(program, lambda: job(cfg), Path(cfg.paths.output_dir), Path(cfg.paths.log_dir),
+                            log_name=log_name)
+
+    def main() -> None:
+        try:
+            arguments = rewrite_arguments(sys.argv[1:])
+            check_group_options(arguments)
+        except PosttrainError as err:
+            print(f"{program}: error: {err}", file=sys.stderr)
+            sys.exit(1)
+        sys.argv[1:] = arguments
+        run_job()
+
+    return main
