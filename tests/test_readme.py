@@ -86,6 +86,8 @@ def with_budget(arguments: list[str], log_dir: Path, model_dir: Path) -> list[st
                             "--seeds", "0",
                             "--eval-every", "2", "--threads", "1", "--model", str(model_dir),
                             "--out", str(log_dir / "vs_trl")]
+    if arguments[0] == "posttrain-estimate":  # loads no weights and runs nothing: the config as written
+        return arguments + [f"paths.cache_dir={log_dir / 'cache'}"]
     if arguments[0] in ("python", "posttrain-report"):  # benchmarks/ scripts and the report take their own arguments
         return arguments
     if "-m" in arguments:
@@ -119,6 +121,8 @@ def as_process(arguments: list[str]) -> list[str]:
         return [sys.executable, "-m", "posttrain.eval.evaluate", *arguments[1:]]
     if arguments[0] == "posttrain-report":
         return [sys.executable, "-m", "posttrain.eval.report", *arguments[1:]]
+    if arguments[0] == "posttrain-estimate":
+        return [sys.executable, "-m", "posttrain.config.estimate", *arguments[1:]]
     if arguments[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *arguments[1:]]
     if arguments[0] == "python":  # a script of the repository, by its path from the repository root

@@ -55,12 +55,14 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     from posttrain.run.host_memory import return_freed_memory
     from posttrain.run.preemption import Preemption, cluster_plugins
     from posttrain.run.tracking import build_logger, finish_logger, run_name, wandb_mode
+    from posttrain.run.user_components import check_user_components
 
     # --- check: the config, the memory it needs, the checkpoint it resumes ---------------------
     silence_expected_warnings()
     OmegaConf.resolve(cfg)  # groups are handed to modules on their own: no dangling interpolations
     choices = hydra_choices()
     check_config(cfg, choices)
+    check_user_components(cfg)  # callbacks.extra, logger.extra: importable, the right kind, options they take
     check_memory_fits(cfg)  # sizes from config.json alone: a model too large fails before any weights load
     output_dir = Path(cfg.paths.output_dir)
     remove_interrupted_saves(output_dir / "checkpoints")  # a kill mid-save left them
@@ -101,7 +103,8 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
 
     # --- build: module, datamodule, logger, trainer ---------------------------------------------
     module = build_module(cfg, policy, tokenizer, source)
-    module.configure_eval(cfg.eval, samples_dir=output_dir / "samples", seed=cfg.seed)  # samples table, pass@k
+    module.configure_eval(cfg.eval, samples_dir=output_dir / "samples", seed=cfg.seed,
+                          panel_dir=output_dir / "panel")  # samples table, pass@k, prompt panel
     datamodule = PosttrainDataModule(
         source, tokenizer, batch_size=module.batch_size, train_collate=module.train_collate,
         eval_on_pairs=getattr(module, "eval_on_pairs", False), eval_collate=getattr(module, "eval_collate", None),

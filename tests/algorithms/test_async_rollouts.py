@@ -176,7 +176,7 @@ def test_a_failing_reward_in_the_producer_stops_the_run_naming_it(make_config, s
     cfg = make_config(*FAST_RUN, *EASY_TASK, "algorithm=grpo", f"model.init_from={sft_start}",
                       "algorithm.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_steps=2",
                       "eval.at_start=false", "rollout.max_staleness=1",
-                      "+reward.components.boom.target=test_grpo.exploding_reward", output_dir=tmp_path)
+                      "+reward.components.boom._target_=test_grpo.exploding_reward", output_dir=tmp_path)
     with pytest.raises(RewardError, match="boom"):
         run(cfg)
     assert not (tmp_path / "summary.json").exists()

@@ -113,18 +113,20 @@ def test_grpo_resume_continues_the_same_run(make_config, sft_start, tmp_path):
 
 
 def test_raising_reward_function_stops_the_run_naming_it(make_config, sft_start):
-    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "+reward.components.boom.target=test_grpo.exploding_reward")
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo",
+                    "+reward.components.boom._target_=test_grpo.exploding_reward")
     with pytest.raises(RewardError, match="boom"):
         run(cfg)
 
 
 def test_nan_reward_can_be_scored_as_failure_and_counted(make_config, sft_start):
-    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "+reward.components.shaky.target=test_grpo.nan_reward",
+    cfg = rl_config(make_config, sft_start, "algorithm=grpo", "+reward.components.shaky._target_=test_grpo.nan_reward",
                     "reward.on_error=fail")
     summary = run(cfg)
     assert "rewards/shaky/errors" in summary
     with pytest.raises(RewardError, match="shaky"):
-        run(rl_config(make_config, sft_start, "algorithm=grpo", "+reward.components.shaky.target=test_grpo.nan_reward"))
+        run(rl_config(make_config, sft_start, "algorithm=grpo",
+                      "+reward.components.shaky._target_=test_grpo.nan_reward"))
 
 
 def test_warm_start_is_trained_once_and_shared(make_config, tmp_path, caplog):

@@ -11,7 +11,7 @@ import transformers
 from posttrain.config import memory
 from posttrain.errors import ConfigError
 from posttrain.models import loading
-from posttrain.models.gguf import cache_entry, hf_directory
+from posttrain.models.gguf import hf_directory
 
 from conftest import compose_config
 from gguf_files import real, tiny_gguf_file

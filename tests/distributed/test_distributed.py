@@ -4,9 +4,7 @@ batches. Then the real CLI under torchrun with `trainer=ddp`."""
 
 import json
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch

@@ -44,7 +44,7 @@ def digit_share(samples, source):
 
 def grpo_config(out_dir, *overrides):
     return compose_config([*FAST_RUN, *EASY_TASK, *SMALL_MODEL, "algorithm=grpo", "algorithm.warm_start.steps=0",
-                           "+reward.components.digits.target=test_fsdp.digit_share", "algorithm.prompts_per_step=4",
+                           "+reward.components.digits._target_=test_fsdp.digit_share", "algorithm.prompts_per_step=4",
                            "algorithm.group_size=4", f"trainer.max_steps={STEPS}",
                            "eval.at_start=false", "eval.num_prompts=16", "eval.batch_size=16", *overrides], out_dir)
 
@@ -267,7 +267,7 @@ def test_the_cli_trains_with_fsdp_under_torchrun(tmp_path):
     from transformers import AutoModelForCausalLM
 
     overrides = [*FAST_RUN, *EASY_TASK, *SMALL_MODEL, "trainer=fsdp", "algorithm=grpo", "algorithm.warm_start.steps=0",
-                 "+reward.components.digits.target=test_fsdp.digit_share", "algorithm.prompts_per_step=2",
+                 "+reward.components.digits._target_=test_fsdp.digit_share", "algorithm.prompts_per_step=2",
                  "algorithm.group_size=4", "trainer.max_steps=2", "trainer.val_check_interval=2",
                  "callbacks.checkpoint.every_n_train_steps=2", "eval.num_prompts=16", "eval.batch_size=16",
                  "logger=csv", f"hydra.run.dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]

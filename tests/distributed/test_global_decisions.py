@@ -42,7 +42,7 @@ def decisions_config(out_dir):
                           f"data_curriculum.accuracy_threshold={ACCURACY_THRESHOLD}", "eval.at_start=false"], out_dir)
     # the reward: rank_accuracy as the accuracy (its score 1 marks a sample correct), alone
     cfg.reward.components = OmegaConf.create({"accuracy": {"weight": 1.0,
-                                                           "target": "test_global_decisions.rank_accuracy"}})
+                                                           "_target_": "test_global_decisions.rank_accuracy"}})
     OmegaConf.resolve(cfg)
     return cfg
 

@@ -81,14 +81,14 @@ def async_config(out_dir, *trainer):
     cfg = online_config(out_dir, "grpo", *trainer)
     steps = ASYNC_BATCHES * ONLINE["grpo"]["ppo_epochs"] * ONLINE["grpo"]["num_minibatches"]
     cfg.rollout.max_staleness = 1
-    cfg.reward.components.digits.target = "test_uneven_ranks.env_rank_uneven_digit_share"
+    cfg.reward.components.digits._target_ = "test_uneven_ranks.env_rank_uneven_digit_share"
     cfg.trainer.max_steps = cfg.callbacks.checkpoint.every_n_train_steps = steps
     return cfg
 
 
 def online_config(out_dir, algorithm, *trainer):
     steps = ONLINE[algorithm]["ppo_epochs"] * ONLINE[algorithm]["num_minibatches"]  # one rollout batch
-    cfg = grpo_config(out_dir, *trainer, f"algorithm={algorithm}", "reward.components.digits.target="
+    cfg = grpo_config(out_dir, *trainer, f"algorithm={algorithm}", "reward.components.digits._target_="
                       "test_uneven_ranks.uneven_digit_share", "data_curriculum=dynamic_sampling",
                       f"data_curriculum.max_extra_rounds={EXTRA_ROUNDS[algorithm]}", f"algorithm.prompts_per_step={PROMPTS_PER_STEP}",
                       f"algorithm.group_size={GROUP_SIZE}", f"algorithm.micro_batch_size={MICRO_BATCH}",
@@ -178,7 +178,7 @@ def held_out_counted(module, kind: str) -> float:
     if kind == "prm":
         return module._eval_sums[3].item()  # responses
     if kind == "reward_model":
-        return module._eval_sums[0].item()  # pairs
+        return module._eval_sums[:, 0].sum().item()  # pairs, over the heads
     return module.counted_prompts
 
 

@@ -79,7 +79,7 @@ def test_embedded_pairs_are_on_policy_where_samples_disagree_and_cached(tmp_path
     use_engine(monkeypatch, engine)
     source = build_preference_source(cfg, task, tokenizer, policy)
     assert source.size("train") == 40 and source.size("validation") == 12
-    assert source.shares("train") == {"on_policy": 1.0, "perturbed": 0.0, "dataset": 0.0}
+    assert source.shares("train") == {"on_policy": 1.0, "perturbed": 0.0, "shorter_right": 0.0, "dataset": 0.0}
     check_embedded(source, task)
     # the chosen side is the policy's own right sample, the rejected its wrong one
     first = source.pairs("train")[0]

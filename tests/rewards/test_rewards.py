@@ -285,7 +285,8 @@ def user_module(monkeypatch):
 
 
 def test_target_component_is_imported_and_given_its_options(user_module):
-    reward = build({"accuracy": {"weight": 1.0}, "short": {"weight": 0.5, "target": "user_rewards.brevity", "scale": 0.1}})
+    reward = build({"accuracy": {"weight": 1.0},
+                    "short": {"weight": 0.5, "_target_": "user_rewards.brevity", "scale": 0.1}})
     out = reward([sample("42", length=3), sample("4", length=10)], SOURCE)
     # short = -0.1 * len = [-0.3, -1.0]; total = acc + 0.5 short = [1 - 0.15, 0 - 0.5]
     assert scores(out.components["short"]) == [-0.3, -1.0]
@@ -294,32 +295,32 @@ def test_target_component_is_imported_and_given_its_options(user_module):
 
 
 def test_builtin_example_target_step_accuracy():
-    reward = build({"steps": {"target": "posttrain.rewards.examples.step_accuracy", "empty_score": -1.0}})
+    reward = build({"steps": {"_target_": "posttrain.rewards.examples.step_accuracy", "empty_score": -1.0}})
     # "12+30=": columns "2+0=2", "1+3=4"
     batch = [sample("2+0=2,1+3=4>42"), sample("2+0=2,1+3=5>52"), sample("42"), sample("")]
     assert scores(reward(batch, SOURCE).components["steps"]) == [1.0, 0.5, 0.0, -1.0]
 
 
 @pytest.mark.parametrize("target,match", [
-    ("user_rewards.missing", r"reward\.components\.mine\.target='user_rewards\.missing' cannot be imported"),
-    ("no_such_package.fn", r"reward\.components\.mine\.target='no_such_package\.fn' cannot be imported"),
-    ("user_rewards.not_a_function", r"reward\.components\.mine\.target=.*not a function"),
-    ("brevity", r"reward\.components\.mine\.target must be a dotted path"),
+    ("user_rewards.missing", r"reward\.components\.mine\._target_='user_rewards\.missing' cannot be imported"),
+    ("no_such_package.fn", r"reward\.components\.mine\._target_='no_such_package\.fn' cannot be imported"),
+    ("user_rewards.not_a_function", r"reward\.components\.mine\._target_=.*not a function"),
+    ("brevity", r"reward\.components\.mine\._target_ must be a dotted path"),
 ])
 def test_unimportable_target_is_a_config_error(user_module, target, match):
     with pytest.raises(ConfigError, match=match):
-        build({"mine": {"target": target}})
+        build({"mine": {"_target_": target}})
 
 
 def test_unknown_target_option_is_a_config_error(user_module):
-    with pytest.raises(ConfigError, match=r"reward\.components\.mine: unknown option\(s\) \['scael'\].*scale"):
-        build({"mine": {"target": "user_rewards.brevity", "scael": 2}})
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) reward\.components\.mine\.scael: .*scale"):
+        build({"mine": {"_target_": "user_rewards.brevity", "scael": 2}})
 
 
 @pytest.mark.parametrize("components,match", [
     ({"acuracy": {"weight": 1.0}}, r"reward\.components\.acuracy: unknown reward component.*accuracy, format, "
                                    r"length_linear, length_penalty, overlong"),
-    ({"overlong": {"cache_len": 2, "cache": 3}}, r"reward\.components\.overlong: unknown option\(s\) \['cache'\]"
+    ({"overlong": {"cache_len": 2, "cache": 3}}, r"unknown option\(s\) reward\.components\.overlong\.cache: "
                                                  r".*cache_len, max_len"),
     ({"overlong": {"weight": 1.0}}, r"reward\.components\.overlong: missing required option\(s\) \['cache_len'\]"),
     ({"overlong": {"cache_len": 9}}, r"reward\.components\.overlong: need 0 <= cache_len <= max_len"),

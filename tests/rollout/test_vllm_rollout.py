@@ -444,7 +444,7 @@ def test_a_grpo_run_syncs_once_per_policy_update(fake_vllm, tmp_path):
                           "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
                           "model.intermediate_size=64", "data.max_response_tokens=4", "algorithm.prompts_per_step=2",
                           "algorithm.group_size=3", "kl_estimator=none",
-                          "+reward.components.variety.target=test_vllm_rollout.response_variety"], tmp_path)
+                          "+reward.components.variety._target_=test_vllm_rollout.response_variety"], tmp_path)
     source = build_source(cfg.data)
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
     module = build_module(cfg, policy, tokenizer, source)
@@ -531,7 +531,7 @@ def test_gpu_short_grpo_run_with_vllm(tiny_hf_model, make_config, tmp_path):
                               "algorithm.warm_start.steps=0", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
                               "data.max_response_tokens=16", "trainer.max_steps=3", "trainer.val_check_interval=3",
                               "callbacks.checkpoint.every_n_train_steps=3", "eval.num_prompts=8", "eval.batch_size=8",
-                              "+reward.components.variety.target=test_vllm_rollout.response_variety"))
+                              "+reward.components.variety._target_=test_vllm_rollout.response_variety"))
     assert summary["global_step"] == 3 and "eval/accuracy" in summary and "rollout/reward_mean" in summary
 
 
@@ -548,7 +548,7 @@ def test_gpu_vllm_in_bf16_for_an_fp32_policy_gives_a_measured_and_corrected_mism
                               "algorithm.warm_start.steps=0", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
                               "data.max_response_tokens=16", "trainer.max_steps=2", "trainer.val_check_interval=2",
                               "callbacks.checkpoint.every_n_train_steps=2", "eval.num_prompts=8", "eval.batch_size=8",
-                              "+reward.components.variety.target=test_vllm_rollout.response_variety"))
+                              "+reward.components.variety._target_=test_vllm_rollout.response_variety"))
     assert summary["rollout/mismatch/kl"] > 0 and summary["rollout/mismatch/abs_log_ratio_max"] > 1e-3
     print(f"\nvLLM bf16 against the fp32 trainer: mismatch KL {summary['rollout/mismatch/kl']:.2e}, "
           f"|d| mean {summary['rollout/mismatch/abs_log_ratio_mean']:.2e}")

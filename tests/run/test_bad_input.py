@@ -99,7 +99,7 @@ def test_a_failing_user_reward_stops_the_run_before_the_warm_start_trains(functi
     cache = tmp_path / "cache"
     cfg = make_config(*QUICK_SFT, "algorithm=grpo", "algorithm.prompts_per_step=2", "algorithm.group_size=2",
                       "trainer.max_steps=1", "algorithm.warm_start.steps=2", "algorithm.warm_start.until_accuracy=null",
-                      f"+reward.components.mine.target={__name__}.{function}", f"paths.cache_dir={cache}",
+                      f"+reward.components.mine._target_={__name__}.{function}", f"paths.cache_dir={cache}",
                       output_dir=tmp_path / "run")
     with pytest.raises(RewardError, match="before training") as caught:
         run(cfg)

@@ -109,7 +109,7 @@ def test_failed_run_reports_its_warm_start_warnings_and_error_in_train_log(tmp_p
     result = posttrain("algorithm=grpo", "algorithm.warm_start.steps=2", "algorithm.warm_start.batch_size=8",
                        "eval.at_start=false", "trainer.max_steps=2", "eval.num_prompts=8", "eval.batch_size=8",
                        "algorithm.prompts_per_step=2", "algorithm.group_size=2", "logger=csv",
-                       "+reward.components.nan={weight:1.0,target:nan_reward.nan_scores}",
+                       "+reward.components.nan={weight:1.0,_target_:nan_reward.nan_scores}",
                        log_dir=tmp_path / "out", env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode != 0
     assert "'nan'" in result.stderr and "NaN" in result.stderr, result.stderr

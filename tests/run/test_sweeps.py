@@ -217,6 +217,17 @@ def test_the_cache_key_changes_with_the_code_version(make_config, monkeypatch):
     assert plan(make_config, "algorithm=grpo")[1] != key
 
 
+def test_the_runs_own_callbacks_and_panel_are_not_the_warm_starts(make_config, tmp_path):
+    """A user's callbacks watch their run and the prompt panel compares runs: the warm start runs
+    neither, and neither changes its key (a sweep over them shares one start)."""
+    panel_file = tmp_path / "panel.jsonl"
+    plain = plan(make_config, "algorithm=grpo")
+    own = plan(make_config, "algorithm=grpo", "eval.panel.size=3", f"eval.panel.file={panel_file}",
+               "callbacks.extra=[{_target_: lightning.pytorch.callbacks.Timer}]")
+    assert own[1] == plain[1]
+    assert own[0].callbacks.extra == [] and own[0].eval.panel.size == 0 and own[0].eval.panel.file is None
+
+
 def test_a_sweeps_budget_in_rollout_batches_is_not_the_warm_starts(make_config):
     plain = plan(make_config, "algorithm=grpo")
     budgeted = plan(make_config, "algorithm=grpo", "+sweep=grpo_family")

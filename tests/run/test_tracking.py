@@ -178,10 +178,12 @@ def test_online_rl_samples_carry_the_training_reward():
 
     def reward_fn(samples, source):
         seen.extend(samples)
-        return SimpleNamespace(total=torch.tensor([0.25 * (i + 1) for i in range(len(samples))]))
+        total = torch.tensor([0.25 * (i + 1) for i in range(len(samples))])
+        return SimpleNamespace(total=total, components={"accuracy": total})
 
     module = SimpleNamespace(reward_fn=reward_fn, source=None)
     module.sample_rewards = lambda *args: PosttrainModule.sample_rewards(module, *args)
+    module.reward_components = lambda *args: PosttrainModule.reward_components(module, *args)
     examples = [Example(prompt="1+1=", response="2", answer="2"), Example(prompt="2+2=", response="4", answer="4")]
     scored = Scored(texts=["2", "5", "x"], correct=[1.0, 0.0, 0.0], lengths=[2.0, 2.0, 2.0],
                     truncated=[False, True, False])

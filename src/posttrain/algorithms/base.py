@@ -14,6 +14,8 @@ from lightning.pytorch.loggers import WandbLogger
 from torch.distributed.tensor import DTensor
 
 from posttrain.core import calibration_bins, calibration_error, pass_at_k, reliability
+from posttrain.data.datamodule import collate_prompts
+from posttrain.data.panel import panel_examples
 from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
 from posttrain.distributed.sharding import GatheringEngine, is_sharded, shard_module
 from posttrain.errors import ConfigError
@@ -214,12 +216,17 @@ class PosttrainModule(L.LightningModule):
     eval_sampling: SamplingParams | None = None
     eval_seed: int = 0
     eval_calibration_bins: int = 10  # equal-width confidence bins of eval/ece and its reliability diagram
+    panel: tuple = ()  # the prompt panel's examples (data/panel.py); empty: no panel
+    panel_dir: Path | None = None
+    panel_batch_size: int = 256  # panel prompts per generate call
 
-    def configure_eval(self, eval_cfg, samples_dir: Path | None = None, seed: int = 0) -> None:
+    def configure_eval(self, eval_cfg, samples_dir: Path | None = None, seed: int = 0,
+                       panel_dir: Path | None = None) -> None:
         """Held-out eval's extras from the `eval` config node: the first `log_samples` prompts'
         greedy responses as the table `eval/samples` (W&B) and as `samples_dir`/step<N>.jsonl;
         `eval/pass@k` for each k of `pass_k` from `num_samples` responses per prompt sampled at
-        `temperature` (rollout top_p / top_k), with a generator seeded from `seed`."""
+        `temperature` (rollout top_p / top_k), with a generator seeded from `seed`; the prompt
+        panel (`panel`: size, seed, file) answered into `panel_dir`/batch<N>.jsonl."""
         pass_k = [int(k) for k in (eval_cfg.get("pass_k") or [])]
         num_samples, temperature = eval_cfg.get("num_samples", 1), eval_cfg.get("temperature", 1.0)
         if any(k > num_samples for k in pass_k):
@@ -233,6 +240,11 @@ class PosttrainModule(L.LightningModule):
         self.eval_pass_k, self.eval_num_samples, self.eval_seed = tuple(pass_k), num_samples, seed
         self.eval_sampling = SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=temperature,
                                             top_p=self.rollout_cfg.top_p, top_k=self.rollout_cfg.top_k)
+        if panel_dir is not None:
+            panel = eval_cfg.get("panel") or {}
+            self.panel = tuple(panel_examples(self.source, eval_cfg.get("split", "validation"), panel.get("size", 0),
+                                              panel.get("seed", 0), panel.get("file")))
+            self.panel_dir, self.panel_batch_size = Path(panel_dir), eval_cfg.get("batch_size", self.panel_batch_size)
 
     def on_validation_epoch_start(self) -> None:
         self._eval_samples: list[dict] = []
@@ -247,8 +259,7 @@ class PosttrainModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         # every row is generated, stand-ins too: the ranks' batches have the same sizes, so they
         # make the same generate calls, each a collective under FSDP (datamodule.val_dataloader)
-        params = SamplingParams(max_new_tokens=self.eval_max_new_tokens, greedy=True, temperature=0.0)
-        scored = generate_and_score(self, batch, params)
+        scored = generate_and_score(self, batch, self.greedy_params())
         counts = None
         if self.eval_pass_k:
             counts = count_correct_samples(self, batch, self.eval_sampling, self.eval_num_samples,
@@ -268,6 +279,10 @@ class PosttrainModule(L.LightningModule):
         if counts is not None:
             self._eval_counts.append(counts[keep])
 
+    def greedy_params(self) -> SamplingParams:
+        """How held-out responses are generated: greedily, within the eval budget."""
+        return SamplingParams(max_new_tokens=self.eval_max_new_tokens, greedy=True, temperature=0.0)
+
     def sample_rows(self, examples, scored: Scored) -> list[dict]:
         """Rows of the samples table for the first len(examples) responses of `scored`."""
         n = len(examples)
@@ -277,13 +292,19 @@ class PosttrainModule(L.LightningModule):
                 for example, text, reward, correct in zip(examples, scored.texts, rewards, scored.correct)]
 
     def sample_rewards(self, examples, texts, lengths, truncated, correct) -> list[float]:
-        """The reward of held-out responses: the training reward where the module has one
-        (online RL's `reward_fn`, each response scored as a group of its own), else the
-        task's correctness (SFT and offline algorithms)."""
+        """The reward of held-out responses (`reward_components`' total)."""
+        return self.reward_components(examples, texts, lengths, truncated, correct)[0]
+
+    def reward_components(self, examples, texts, lengths, truncated, correct) -> tuple[list[float], dict]:
+        """The reward of held-out responses and its components ({name: per response}): the
+        training reward where the module has one (online RL's `reward_fn`, each response scored
+        as a group of its own), else the task's correctness as the one component `accuracy`
+        (SFT and offline algorithms; what `reward=accuracy` would score)."""
         reward_fn = getattr(self, "reward_fn", None)
         if reward_fn is None:
-            return list(correct)
-        return reward_fn(held_out_samples(examples, texts, lengths, truncated), self.source).total.tolist()
+            return list(correct), {"accuracy": list(correct)}
+        output = reward_fn(held_out_samples(examples, texts, lengths, truncated), self.source)
+        return output.total.tolist(), {name: scores.tolist() for name, scores in output.components.items()}
 
     def learned_scorers(self) -> list:
         """The training reward's learned components (a reward model), if it has any."""
@@ -302,6 +323,7 @@ class PosttrainModule(L.LightningModule):
         return torch.stack(per_scorer).mean(dim=0).tolist()
 
     def on_validation_epoch_end(self):
+        self.answer_panel()
         # each rank scored its own shard of the held-out prompts: reduce sums and counts
         counts = torch.cat(self._eval_counts) if self._eval_counts else torch.zeros(0)
         pass_sums = [float(pass_at_k(self.eval_num_samples, counts, k).sum()) for k in self.eval_pass_k]
@@ -325,6 +347,41 @@ class PosttrainModule(L.LightningModule):
             self.log_samples(self._eval_samples)
         self.evaluated_at_step = self.trainer.global_step
         self._eval_correct, self._eval_lengths, self._eval_confidence = [], [], []
+
+    @torch.no_grad()
+    def answer_panel(self) -> None:
+        """The panel's greedy responses with their reward and its components, to
+        panel_dir/batch<N>.jsonl, N the training batches seen (metrics.jsonl's `batch`: runs of
+        different algorithms line up). Every rank generates the whole panel, in the same calls
+        (under FSDP each is a collective); rank 0 writes. Greedy, in a forked RNG (a user's
+        reward function may draw): no eval metric and no training draw changes. In the precision
+        the held-out batches are generated in (validation_step's: bf16 autocast under bf16-mixed)."""
+        if not self.panel or self.trainer.sanity_checking:
+            return
+        rows = []
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self.trainer.precision_plugin.val_step_context():
+            for start in range(0, len(self.panel), self.panel_batch_size):
+                examples = list(self.panel[start:start + self.panel_batch_size])
+                batch = collate_prompts(examples, self.tokenizer)
+                batch.update({key: batch[key].to(self.device) for key in ("prompt_ids", "prompt_mask")})
+                rows += self.panel_rows(examples, generate_and_score(self, batch, self.greedy_params()))
+        if self.trainer.is_global_zero:
+            write_jsonl_atomic(self.panel_dir / f"batch{self.train_batches_seen:06d}.jsonl", rows)
+
+    def panel_rows(self, examples, scored: Scored) -> list[dict]:
+        """One line of a panel file per response (docs/panel.md)."""
+        totals, components = self.reward_components(examples, scored.texts, scored.lengths, scored.truncated,
+                                                     scored.correct)
+        rows = []
+        for i, example in enumerate(examples):
+            rows.append({"batch": self.train_batches_seen, "step": self.trainer.global_step, "prompt": example.prompt,
+                         "reference": example.response, "answer": example.answer, "response": scored.texts[i],
+                         "reward": float(totals[i]),
+                         "components": {name: float(values[i]) for name, values in components.items()},
+                         "correct": bool(scored.correct[i]), "length": int(scored.lengths[i]),
+                         "truncated": bool(scored.truncated[i])})
+        return rows
 
     def log_calibration(self, bins: torch.Tensor) -> None:
         """`eval/ece`: the expected calibration error of the greedy responses (confidence: the

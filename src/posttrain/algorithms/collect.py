@@ -59,6 +59,9 @@ class CollectedBatch:
     kept_any: bool                # whether a group was kept (False: nothing to learn from here)
     state: dict                   # the collector's state after this batch (curriculum, partial rollouts)
     generate_s: list[float] = field(default_factory=list)  # each generate call's duration
+    # [completions started, response tokens generated] by this rank's generate calls for the batch,
+    # dynamic sampling's dropped rounds and partial rollouts' continuations included: the budget spent
+    sampled: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
 
 @dataclass
@@ -113,18 +116,19 @@ class Collector:
         self.ready: list[tuple[Experience, dict]] = []
         self.next_group = 0
         self._generate_s: list[float] = []
+        self._sampled = [0.0, 0.0]
 
     # --- one rollout batch ------------------------------------------------------------------
     def collect(self, index: int) -> CollectedBatch:
         generator = torch.Generator(device=self.device).manual_seed(
             rank_seed(self.seed * 1_000_003 + index, self.rank, self.world))
         self.reward_fn.set_step(index)  # rewards with a warm-up (the Kimi length reward) count rollout batches
-        self._generate_s = []
+        self._generate_s, self._sampled = [], [0.0, 0.0]
         if self.partial_budget:
             batch = self.collect_partial(index, generator)
         else:
             batch = self.collect_whole(index, generator)
-        batch.generate_s = self._generate_s
+        batch.generate_s, batch.sampled = self._generate_s, self._sampled
         return batch
 
     def collect_whole(self, index: int, generator) -> CollectedBatch:
@@ -212,6 +216,7 @@ class Collector:
         started = time.perf_counter()
         batch = self.generate(prompt_ids, prompt_mask, params, generator=generator)
         self._generate_s.append(time.perf_counter() - started)
+        self._sampled[1] += float(batch.response_mask.sum())
         return batch
 
     def sample_and_score(self, examples, first_group: int, generator, group_size: int | None = None):
@@ -221,6 +226,7 @@ class Collector:
         prompt_ids = prompts["prompt_ids"].to(self.device).repeat_interleave(group_size, dim=0)
         prompt_mask = prompts["prompt_mask"].to(self.device).repeat_interleave(group_size, dim=0)
         batch = self.timed_generate(prompt_ids, prompt_mask, self.sampling, generator)
+        self._sampled[0] += len(prompt_ids)
         groups = [first_group + i // group_size for i in range(len(batch.response_ids))]
         return self.score(batch, [examples[i // group_size] for i in range(len(groups))], groups)
 
@@ -289,6 +295,7 @@ class Collector:
                     support_size=torch.zeros(0, dtype=torch.int32) if self.sampling.return_support else None,
                     support_logprobs=torch.zeros(0) if self.sampling.return_support else None))
             self.next_group += 1
+        self._sampled[0] += len(examples) * self.group_size
         active = [r for r in self.pending if not r.ended]
         if active:
             ids, mask = left_padded([torch.cat([r.prompt, r.tokens]).tolist() for r in active],

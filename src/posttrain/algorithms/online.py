@@ -44,7 +44,11 @@ One `training_step` is one rollout batch, four named and timed stages over an `E
 Step counters: `trainer.max_steps` counts policy optimiser steps (Lightning's global step);
 one rollout batch makes ppo_epochs x num_minibatches of them (none while the critic warms
 up or when a batch has no signal). `train_batches_seen` counts rollout batches; evaluation,
-logging and curricula follow it.
+logging and curricula follow it. The budgets spent (posttrain-report's x axes), checkpointed
+so that a resumed run continues them: `rollout/samples_seen` and `rollout/tokens_seen`, the
+completions and response tokens sampled (dynamic sampling's dropped rounds included), summed
+over ranks, and
+`perf/elapsed_s`, the wall-clock seconds of training.
 
 Data parallelism lives here, not in an algorithm: each rank draws its own prompts (disjoint
 streams), seeds its sampler with its rank, sums token and sequence counts over ranks before
@@ -251,7 +255,7 @@ class OnlineRLModule(PosttrainModule):
             components = OmegaConf.to_container(components, resolve=True)
         rules.refuse(rules.constraint_problem(constraint, components))
         self.constraint = dict(constraint) if constraint is not None else None
-        self.constraint_lambda = float(self.constraint.get("init", 0.0)) if self.constraint is not None else 0.0
+        self.multiplier = core.Multiplier.start(float(self.constraint.get("init", 0.0)) if self.constraint else 0.0)
 
         # --- process rewards: responses split into steps (data/steps.py) for a PRM to score ---
         self.process_reward = process_reward_of(self.reward_fn)
@@ -261,6 +265,11 @@ class OnlineRLModule(PosttrainModule):
         self.curriculum = None    # built in setup(), when this process's rank is known
         self.ptx_cursor = None
         self.nonfinite_steps = 0  # optimiser steps skipped for a non-finite gradient norm
+        # budget counters over every rank (checkpointed): completions and response tokens of the
+        # rollout batches trained on (rollout/samples_seen, rollout/tokens_seen)
+        self.samples_seen = 0
+        self.tokens_seen = 0
+        self.elapsed_before = 0.0  # training seconds of the fits before a resume (perf/elapsed_s continues them)
         self.batches_without_signal = 0
         self._restored_state: dict = {}
 
@@ -319,13 +328,17 @@ class OnlineRLModule(PosttrainModule):
         checkpoint["ptx_position"] = self.ptx_cursor.position if self.ptx_cursor is not None else 0
         checkpoint["nonfinite_steps"] = self.nonfinite_steps
         checkpoint["mismatch_over_budget"] = self.mismatch_over_budget
+        checkpoint["samples_seen"], checkpoint["tokens_seen"] = self.samples_seen, self.tokens_seen
+        checkpoint["elapsed_s"] = self.elapsed_s()
         if self.partial_budget:  # the responses under way, and the ended groups waiting for a batch
             with_every_rank(checkpoint, "partial_rollouts", {k: v for k, v in self.collector_state.items()
                                                              if k != "curriculum"})
         if self.kl_controller is not None:
             checkpoint["kl_controller"] = self.kl_controller.state_dict()
         if self.constraint is not None:  # one lambda, the same on every rank (apply_constraint)
-            checkpoint["constraint_lambda"] = self.constraint_lambda
+            checkpoint["constraint_lambda"] = self.multiplier.value
+            checkpoint["constraint_integral"] = self.multiplier.integral
+            checkpoint["constraint_last_cost"] = self.multiplier.last_cost
 
     def on_load_checkpoint(self, checkpoint):
         super().on_load_checkpoint(checkpoint)
@@ -336,12 +349,17 @@ class OnlineRLModule(PosttrainModule):
             self.ptx_cursor.position = checkpoint.get("ptx_position", 0)
         self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)
         self.mismatch_over_budget = checkpoint.get("mismatch_over_budget", 0)
+        self.samples_seen = checkpoint.get("samples_seen", 0)
+        self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        self.elapsed_before = checkpoint.get("elapsed_s", 0.0)
         if self.partial_budget and "partial_rollouts" in checkpoint:
             self.collector_state = this_ranks(checkpoint, "partial_rollouts")
         if "kl_controller" in checkpoint and self.kl_controller is not None:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
         if "constraint_lambda" in checkpoint and self.constraint is not None:
-            self.constraint_lambda = float(checkpoint["constraint_lambda"])
+            value = float(checkpoint["constraint_lambda"])  # a checkpoint of plain dual ascent: the integral is lambda
+            self.multiplier = core.Multiplier(value, float(checkpoint.get("constraint_integral", value)),
+                                              checkpoint.get("constraint_last_cost"))
 
     def on_train_start(self):
         # not on_fit_start: under trainer=ddp and fsdp Lightning restores a checkpoint after
@@ -359,6 +377,10 @@ class OnlineRLModule(PosttrainModule):
 
     def on_train_end(self):
         self.producer.close()
+
+    def elapsed_s(self) -> float:
+        """Wall-clock seconds since training began, those of the fits before a resume included."""
+        return self.elapsed_before + time.perf_counter() - self.train_started
 
     def teardown(self, stage: str) -> None:
         if self.producer is not None:
@@ -413,13 +435,15 @@ class OnlineRLModule(PosttrainModule):
         # trainer's collect stage then only waited for it)
         sampling_s = metrics.get("perf/generate_s", timings["perf/collect_s"])
         metrics["perf/tokens_per_s"] = float(exp.response_mask.sum()) / max(sampling_s, 1e-9)
-        metrics["perf/elapsed_s"] = time.perf_counter() - self.train_started  # wall clock since training began
+        metrics["perf/elapsed_s"] = self.elapsed_s()
         feedback = {"step": step + 1, "train_accuracy": metrics.get("rollout/prefilter_accuracy")}
         metrics.update(self.curriculum.on_step_end(**feedback))
         self.train_batches_seen += 1
         with full_weights(self.policy):  # FSDP: each rank hands its producer the whole weights
             self.producer.publish(self.train_batches_seen, self.policy, feedback)
         metrics["rollout/batch"] = float(self.train_batches_seen)
+        metrics["rollout/samples_seen"] = float(self.samples_seen)
+        metrics["rollout/tokens_seen"] = float(self.tokens_seen)
         self.log_step_metrics(metrics)
 
     # --- 1. collect --------------------------------------------------------------------------
@@ -460,9 +484,13 @@ class OnlineRLModule(PosttrainModule):
                                                   metrics.pop("rollout/pending_responses", 0.0)))
         # the first round is an unbiased sample of the policy: what curricula and logs should
         # see, over every rank's first round, so that a curriculum decides alike on every rank
-        # (a NaN accuracy, a reward without a verifier, is NaN on every rank)
-        reward_sum, correct_sum, rows = all_reduce_sum(
-            torch.tensor(produced.first_round, dtype=torch.float64, device=self.device)).tolist()
+        # (a NaN accuracy, a reward without a verifier, is NaN on every rank); in the same
+        # collective, the budget counters: the completions and response tokens sampled for the
+        # batch, dynamic sampling's dropped rounds included
+        reward_sum, correct_sum, rows, sampled_rows, sampled_tokens = all_reduce_sum(
+            torch.tensor(produced.first_round + produced.sampled, dtype=torch.float64, device=self.device)).tolist()
+        self.samples_seen += int(sampled_rows)
+        self.tokens_seen += int(sampled_tokens)
         metrics["rollout/prefilter_reward_mean"] = reward_sum / rows
         if not math.isnan(correct_sum):
             metrics["rollout/prefilter_accuracy"] = correct_sum / rows
@@ -499,21 +527,23 @@ class OnlineRLModule(PosttrainModule):
     def apply_constraint(self, exp: Experience) -> tuple[Experience, dict]:
         """reward.constraint, E[cost] <= limit: each sample's reward becomes
         r - lambda * max(0, cost - limit) with the lambda of this batch (core.constrained_reward), then
-        lambda takes its dual step from the batch's mean cost (core.dual_ascent_step). The mean is
+        lambda takes its step from the batch's mean cost (core.pid_multiplier_step: dual ascent with
+        kp = kd = 0). The mean is
         over every rank's rows, so every rank holds one lambda, that of a 1-process run on the union
         of their batches. Every later stage (advantages, rollout/reward_mean) sees the penalised
         reward; rewards/total/mean stays the reward stage's, without it. Logged: the lambda after
         the step (the next batch's), the mean cost, its excess over the limit, the share of samples
         over it and the mean penalty."""
-        limit, applied = self.constraint["limit"], self.constraint_lambda
+        limit, applied = self.constraint["limit"], self.multiplier.value
         scores = core.constrained_reward(exp.scores, exp.cost, applied, limit)
         cost = exp.cost.double()
         sums = torch.stack([cost.sum(), (cost > limit).double().sum(), (exp.scores - scores).double().sum(),
                             torch.tensor(float(len(exp)), dtype=torch.float64, device=cost.device)])
         cost_sum, over, penalty, rows = all_reduce_sum(sums).tolist()
         mean_cost = cost_sum / rows
-        self.constraint_lambda = core.dual_ascent_step(applied, mean_cost, limit, self.constraint["lr"])
-        metrics = {"rewards/constraint/lambda": self.constraint_lambda, "rewards/constraint/cost_mean": mean_cost,
+        self.multiplier = core.pid_multiplier_step(self.multiplier, mean_cost, limit, ki=self.constraint["lr"],
+                                                   kp=self.constraint.get("kp", 0.0), kd=self.constraint.get("kd", 0.0))
+        metrics = {"rewards/constraint/lambda": self.multiplier.value, "rewards/constraint/cost_mean": mean_cost,
                    "rewards/constraint/violation": mean_cost - limit, "rewards/constraint/over_limit_frac": over / rows,
                    "rewards/constraint/penalty_mean": penalty / rows}
         return replace(exp, scores=scores), metrics

@@ -96,7 +96,7 @@ def distill_weight(key: str, value) -> float:
 
 
 # reward.constraint: the keys it takes, and those without a default (init: lambda starts at 0)
-CONSTRAINT_KEYS = ("cost", "limit", "lr", "init")
+CONSTRAINT_KEYS = ("cost", "limit", "lr", "init", "kp", "kd")
 CONSTRAINT_REQUIRED = ("cost", "limit", "lr")
 
 
@@ -114,7 +114,7 @@ def constraint_problem(constraint, components) -> str | None:
     missing = [key for key in CONSTRAINT_REQUIRED if key not in constraint]
     if missing:
         return f"reward.constraint: missing key(s) {missing} (cost: a component's name, limit: epsilon, lr: eta)"
-    for key, low in (("limit", None), ("lr", 0.0), ("init", 0.0)):
+    for key, low in (("limit", None), ("lr", 0.0), ("init", 0.0), ("kp", 0.0), ("kd", 0.0)):
         value = constraint.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or (low is not None and value < low):

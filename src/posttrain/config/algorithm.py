@@ -4,6 +4,7 @@ rules about the algorithm's own keys and about what an algorithm of each kind ca
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from posttrain.algorithms import rules
@@ -106,6 +107,10 @@ SPECS: dict[str, Spec] = {
     # the reward model (algorithm=reward_model), trained on the preference pairs (preference.py)
     "algorithm.margin": number().about("Bradley-Terry margin m: -log sigma(s_w - s_l - m)"),
     "algorithm.center_coef": number(0).about("reward centering: + center_coef (s_w + s_l)^2"),
+    "algorithm.heads": Spec(lambda v: isinstance(v, list) and len(v) > 0 and len(set(v)) == len(v)
+                            and all(isinstance(h, str) and re.fullmatch(r"\w+", h) for h in v),
+                            "a non-empty list of distinct names (letters, digits, _)").about(
+        "the reward model's heads, one scalar score each"),
     # the process reward model (algorithm=prm) and its step rows (data/process.py)
     "algorithm.labels": choice("verifier", "monte_carlo").about("where the step labels come from"),
     "algorithm.process_data.num_train_prompts": integer(1).about("training prompts sampled from"),

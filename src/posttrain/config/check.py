@@ -67,6 +67,7 @@ RULES: tuple[Rule, ...] = (
     algorithm.preference_algorithm_samples_in_process,
     algorithm.preference_options_fit_the_loss,
     preference.preference_dataset_is_named,
+    preference.embedded_pairs_label_the_heads,
     advantage.online_algorithm_needs_an_advantage,
     advantage.advantage_fits_the_algorithm,
     advantage.groups_of_one_carry_no_signal,

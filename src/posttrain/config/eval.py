@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from posttrain.config.spec import POSITIVE, Spec, Values, boolean, choice, integer, list_of, optional, rule
+from posttrain.config.spec import POSITIVE, SEED, Spec, Values, boolean, choice, integer, list_of, optional, rule, text
 from posttrain.data.arithmetic import SPLITS
 from posttrain.data.hub import REQUIRED_COLUMNS
 
@@ -19,6 +19,9 @@ SPECS: dict[str, Spec] = {
     "eval.pass_k": optional(list_of(integer(1))).about("each k <= eval.num_samples; null: no pass@k"),
     "eval.num_samples": integer(1).about("sampled responses per prompt for pass@k"),
     "eval.temperature": POSITIVE.about("sampling temperature for pass@k"),
+    "eval.panel.size": integer(0).about("prompts of the panel (docs/panel.md); 0: no panel"),
+    "eval.panel.seed": SEED.about("which held-out prompts make the panel, the same in every run"),
+    "eval.panel.file": optional(text()).about("a JSON-lines file of the panel's examples; null: drawn from eval.split"),
 }
 
 

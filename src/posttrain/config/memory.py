@@ -40,6 +40,7 @@ WARN_FRACTION = 0.8  # of the device's free memory, taken by the estimate: warn 
 TRAINABLE_COPIES = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHARDED_STRATEGY = "ShardedModelParallelStrategy"  # trainer=fsdp (posttrain.distributed.sharding)
+EMBEDDED_MODEL = "embedded tiny model"  # the policy of model=tiny (model.name_or_path: null), in messages
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RoleMemory:
     parameters: int
     bytes_per_parameter: float
     what: str             # the bytes per parameter in words
+    trainable: bool = False  # bytes_per_parameter counts weights, gradients and AdamW's 2 moments alike
 
     @property
     def bytes(self) -> float:
@@ -62,27 +64,61 @@ def parameter_count(name_or_path: str) -> int | None:
     alone on the meta device; None when the config cannot be read (the loader, which runs
     next, then reports why with the key that named it). A GGUF is counted from its cached
     Hugging Face directory, else from the file itself (`gguf_parameter_count`)."""
-    # start-up: models/ (and transformers with it) loads only when a pretrained model's size is asked for
-    from posttrain.models.gguf import cache_entry, cache_root, gguf_file, names_gguf
+    directory = model_directory(name_or_path)
+    if directory is None:
+        file = installed_gguf(name_or_path)
+        return gguf_parameter_count(file) if file is not None else None
+    config = model_config(directory)
+    return meta_parameter_count(config) if config is not None else None
 
-    if names_gguf(name_or_path):
-        try:
-            file = gguf_file(name_or_path)
-        except CheckpointError as err:  # not installed, no such file: the loader says so with its key
-            log.debug(f"memory check skipped for {name_or_path!r}: {err}")
-            return None
-        converted = cache_root() / cache_entry(file)  # where models/gguf.py's hf_directory keeps it
-        if not converted.is_dir():
-            return gguf_parameter_count(file)
-        name_or_path = str(converted)
-    from transformers import AutoConfig, AutoModelForCausalLM  # start-up: as models/ above
+
+def model_directory(name_or_path: str) -> str | None:
+    """Where the config.json of `name_or_path` is read: the name itself, or for a GGUF its
+    converted Hugging Face directory; None for a GGUF not converted yet or not installed."""
+    # start-up: models/ (and transformers with it) loads only when a pretrained model's size is asked for
+    from posttrain.models.gguf import cache_entry, cache_root, names_gguf
+
+    if not names_gguf(name_or_path):
+        return os.path.expanduser(name_or_path)
+    file = installed_gguf(name_or_path)
+    converted = cache_root() / cache_entry(file) if file is not None else None  # models/gguf.py's hf_directory
+    return str(converted) if converted is not None and converted.is_dir() else None
+
+
+def installed_gguf(name_or_path: str):
+    """The .gguf file a GGUF name points to, or None when it names none that is installed (the
+    loader, which runs next, says so with its key)."""
+    from posttrain.models.gguf import gguf_file  # start-up: as model_directory
 
     try:
-        config = AutoConfig.from_pretrained(os.path.expanduser(name_or_path))
+        return gguf_file(name_or_path)
+    except CheckpointError as err:
+        log.debug(f"memory check skipped for {name_or_path!r}: {err}")
+        return None
+
+
+def model_config(directory: str):
+    """The Hugging Face config of the model at `directory` (a hub id or a local directory), or
+    None when it cannot be read."""
+    from transformers import AutoConfig  # start-up: as models/ above
+
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except Exception as err:  # noqa: BLE001 - unreadable or unreachable: not this check's to report
+        log.debug(f"memory check skipped for {directory!r}: {err}")
+        return None
+
+
+def meta_parameter_count(config) -> int | None:
+    """Parameters of the causal LM of a Hugging Face `config`, built on the meta device (no
+    weights allocated); tied weights count once."""
+    from transformers import AutoModelForCausalLM  # start-up: as models/ above
+
+    try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except Exception as err:  # noqa: BLE001 - unreadable or unreachable: not this check's to report
-        log.debug(f"memory check skipped for {name_or_path!r}: {err}")
+    except Exception as err:  # noqa: BLE001 - not a causal LM transformers knows: not this check's to report
+        log.debug(f"memory check skipped for {config.__class__.__name__}: {err}")
         return None
     return sum(p.numel() for p in model.parameters())
 
@@ -118,7 +154,8 @@ class Layout:
     def trainable(self, role: str, model: str, parameters: int) -> RoleMemory:
         per_parameter = TRAINABLE_COPIES * DTYPE_BYTES[self.trainable_dtype] / self.shards
         return RoleMemory(role, model, parameters, per_parameter,
-                          f"{self.trainable_dtype} weights, gradients and AdamW's 2 moments{sharded_over(self.shards)}")
+                          f"{self.trainable_dtype} weights, gradients and AdamW's 2 moments{sharded_over(self.shards)}",
+                          trainable=True)
 
     def frozen(self, role: str, model: str, parameters: int, dtype: str) -> RoleMemory:
         if self.replicate_frozen:
@@ -135,13 +172,16 @@ def layout_of(cfg) -> Layout:
     return Layout(1, False, cfg.model.dtype)
 
 
-def role_estimates(cfg) -> list[RoleMemory]:
+def role_estimates(cfg, policy_parameters: int | None = None) -> list[RoleMemory]:
     """The estimate's terms for the roles this run builds, per process; empty for the
-    embedded tiny model (a few MB) or when the policy's config cannot be read."""
+    embedded tiny model (a few MB) or when the policy's config cannot be read, unless its
+    `policy_parameters` are given (posttrain-estimate counts the tiny model's)."""
     policy_model = cfg.model.get("name_or_path")
-    policy_parameters = parameter_count(policy_model) if policy_model is not None else None
+    if policy_parameters is None:
+        policy_parameters = parameter_count(policy_model) if policy_model is not None else None
     if policy_parameters is None:
         return []
+    policy_model = policy_model or EMBEDDED_MODEL
     layout = layout_of(cfg)
     adapter = (cfg.model.get("lora") or {}).get("r") is not None
     if adapter:  # model.lora: the base is frozen (the adapter's few weights are left out) and is the reference

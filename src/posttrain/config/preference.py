@@ -1,10 +1,11 @@
 """What `preference.*` accepts (conf/train.yaml: the preference pairs of `kind: preference`
-algorithms, embedded or from a dataset; data/preference.py), and the rule that a dataset
-source names its dataset."""
+algorithms, embedded or from a dataset; data/preference.py), and the rules that a dataset
+source names its dataset and that embedded pairs can label a reward model's heads."""
 
 from __future__ import annotations
 
 from posttrain.config.spec import POSITIVE, SEED, Spec, Values, boolean, choice, integer, optional, rule, text
+from posttrain.data.preference import embedded_heads_problem
 
 SPECS: dict[str, Spec] = {
     "preference.source": choice("embedded", "dataset"),
@@ -23,6 +24,7 @@ SPECS: dict[str, Spec] = {
     "preference.columns.prompt": text(),
     "preference.columns.chosen": text(),
     "preference.columns.rejected": text(),
+    "preference.columns.head": text().about("optional: the reward-model head each pair trains (algorithm.heads)"),
     "preference.chat": boolean(),
 }
 
@@ -32,3 +34,11 @@ def preference_dataset_is_named(v: Values):
     if v["algorithm.kind"] == "preference" and v["preference.source"] == "dataset" and not v["preference.path"]:
         yield ("preference.source=dataset needs preference.path (a local json/jsonl/parquet file or directory, or "
                "a hub name, with columns prompt/chosen/rejected)")
+
+
+@rule
+def embedded_pairs_label_the_heads(v: Values):
+    """A reward model's several heads (algorithm.heads) must be ones the embedded pairs label, before the warm start."""
+    embedded = v["algorithm.kind"] == "preference" and v["preference.source"] == "embedded"
+    if embedded and (problem := embedded_heads_problem(v.get("algorithm.heads") or [])):
+        yield problem

@@ -6,8 +6,8 @@ A component's own options are checked against its function by the dry run (dry_r
 from __future__ import annotations
 
 from posttrain.algorithms import rules
-from posttrain.config.spec import (Spec, Values, anything, boolean, choice, integer, list_of, mapping, number, optional,
-                                   pattern, rule, text)
+from posttrain.config.spec import (Spec, Values, anything, boolean, choice, integer, is_number, list_of, mapping,
+                                   number, optional, pattern, rule, text)
 from posttrain.rewards.components import LENGTH_NORMALIZERS
 from posttrain.rewards.composite import ON_ERROR_MODES
 
@@ -39,6 +39,8 @@ SPECS: dict[str, Spec] = {
     "reward.constraint.limit": number().about("epsilon: the mean cost the constraint allows"),
     "reward.constraint.lr": number(0).about("eta of lambda's dual ascent; 0: lambda stays at init"),
     "reward.constraint.init": number(0).about("lambda at the start"),
+    "reward.constraint.kp": number(0).about("the PID multiplier's proportional gain on E[cost] - limit; 0: dual ascent"),
+    "reward.constraint.kd": number(0).about("its derivative gain on the mean cost's rise; 0: none"),
     "reward.path": optional(text()).about("a reward model directory (reward=reward_model)"),
     "reward.paths": optional(list_of(text())).about("reward model directories: an ensemble"),
     "reward.components.reward_model.path": optional(text()).about("a reward model directory"),
@@ -46,6 +48,10 @@ SPECS: dict[str, Spec] = {
     "reward.components.reward_model.std_coef": number(0).about("k of an ensemble's mean - k * std"),
     "reward.components.reward_model.batch_size": integer(1).about("rows per reward-model forward"),
     "reward.components.reward_model.share_tokenizer": boolean(),
+    "reward.components.reward_model.head_weights": Spec(
+        lambda v: v is None or (isinstance(v, dict) and all(is_number(w) for w in v.values())),
+        "null or a mapping head -> weight, e.g. {correct: 1.0, concise: 0.3}").about(
+        "a multi-head reward model's sum_h w_h * r_h; a head not named weighs 0; null: all 1"),
     "reward.components.prm.step_reward": choice("marginal", "raw", "min").about(
         "step rewards from PRM scores: s_k - s_(k-1) | s_k | PURE's min-form"),
     "reward.components.prm.model": choice("oracle", "learned").about("the PRM (from the prm group)"),
@@ -54,7 +60,11 @@ SPECS: dict[str, Spec] = {
     "reward.components.prm.batch_size": integer(1).about("rows per PRM forward"),
     "reward.components.*": mapping("{weight: 1.0} (drop a component with ~reward.components.<name>)"),
     "reward.components.*.weight": number(),
-    "reward.components.*.target": pattern(r"[\w.]+\.\w+", "a dotted path 'package.module.function'"),
+    "reward.components.*._target_": pattern(r"[\w.]+\.\w+", "a dotted path 'package.module.function' (your own "
+                                                              "function; docs/extending.md)"),
+    # the spelling before `_target_` became the one convention of user components (docs/extending.md)
+    "reward.components.*.target": Spec(lambda v: False, "nothing: this key is now written `_target_` "
+                                                        "(reward.components.<name>._target_=package.module.function)"),
     # a component's own options: checked against its function's signature by the dry run (dry_run.py)
     "reward.components.*.*": anything(),
 }

@@ -30,7 +30,7 @@ from .advantages import (
 from .aggregation import AGGREGATION_MODES, aggregate_loss, count_tokens_and_seqs
 from .calibration import calibration_bins, calibration_error, expected_calibration_error, reliability
 from .checks import check_finite, set_finite_checks
-from .constraint import constrained_reward, dual_ascent_step
+from .constraint import Multiplier, constrained_reward, dual_ascent_step, pid_multiplier_step
 from .distill import (
     DISTILL_DIVERGENCES,
     distill_divergence,
@@ -110,6 +110,7 @@ from .preference import (
     per_token_log_ratios,
     preference_loss,
     simpo_loss,
+    weighted_head_sum,
 )
 from .value import explained_variance, ptx_loss, value_loss
 
@@ -132,10 +133,10 @@ __all__ = [
     "ppo_clip_loss", "preference_loss", "prm_step_advantages", "ptx_loss",
     "reinforce_loss", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
     "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sapo_loss", "sequence_scores",
-    "set_finite_checks", "simpo_loss", "token_logprobs_and_entropy", "value_loss", "zero_padding",
+    "set_finite_checks", "simpo_loss", "weighted_head_sum", "token_logprobs_and_entropy", "value_loss", "zero_padding",
     "STEP_AGGREGATES", "STEP_REWARD_FORMS", "aggregate_step_scores", "best_of_n_expected_accuracy",
     "majority_vote_expected_accuracy", "monte_carlo_step_labels", "process_step_rewards",
     "CORRECTION_LEVELS", "MISMATCH_MAX_KEYS", "MISMATCH_SUM_KEYS", "correction_weights", "level_log_ratio", "masked_is_keep",
     "accumulate_mismatch_sum", "mismatch_log_ratio", "mismatch_metrics", "mismatch_sums", "truncated_is_weights",
-    "constrained_reward", "dual_ascent_step", "linear_length_penalty",
+    "Multiplier", "constrained_reward", "dual_ascent_step", "pid_multiplier_step", "linear_length_penalty",
 ]

@@ -5,11 +5,19 @@ and lambda is learned by dual ascent (projected gradient ascent on the dual, as 
 et al. 2019, and Safe RLHF, Dai et al. 2023, do): it grows while the batch's mean cost is over
 the limit and shrinks back to 0 once it is under. The policy sees the penalised reward of each
 sample, the dual step sees the batch's mean cost.
+
+Dual ascent is the integral term of a PID controller on the violation E[c] - limit, and like an
+integral controller alone it overshoots and cycles: lambda keeps growing until the cost is back
+under the limit, by which time the policy has gone too far the other way. Stooke et al. (2020,
+"Responsive Safety in Reinforcement Learning by PID Lagrangian Methods") add a proportional term,
+which reacts to the violation now, and a derivative term on the cost's rise, which pushes back
+before the integral has grown: `pid_multiplier_step`. With kp = kd = 0 it is dual ascent.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -35,3 +43,32 @@ def dual_ascent_step(multiplier: float, mean_cost: float, limit: float, lr: floa
     if not lr >= 0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     return max(0.0, multiplier + lr * (mean_cost - limit))
+
+
+@dataclass(frozen=True)
+class Multiplier:
+    """A PID Lagrange multiplier between batches: `value`, the lambda the next batch pays; `integral`,
+    the I term (the sum of ki x violations, kept >= 0: the dual-ascent lambda); `last_cost`, the
+    previous batch's mean cost (the D term's), None before the first batch."""
+
+    value: float
+    integral: float
+    last_cost: float | None = None
+
+    @classmethod
+    def start(cls, init: float) -> Multiplier:
+        return cls(value=init, integral=init)
+
+
+def pid_multiplier_step(multiplier: Multiplier, mean_cost: float, limit: float, ki: float, kp: float = 0.0,
+                        kd: float = 0.0) -> Multiplier:
+    """lambda = max(0, kp * (E[c] - limit) + I + kd * max(0, E[c] - E[c]_previous)), with the integral
+    I <- max(0, I + ki * (E[c] - limit)) (`dual_ascent_step`): the P term answers this batch's
+    violation, the D term a cost on the rise (only a rise: a falling cost lets lambda relax through
+    I alone). kp = kd = 0: plain dual ascent, lambda = I."""
+    if not (kp >= 0 and kd >= 0):
+        raise ValueError(f"kp and kd must be >= 0, got kp={kp}, kd={kd}")
+    integral = dual_ascent_step(multiplier.integral, mean_cost, limit, ki)
+    rise = 0.0 if multiplier.last_cost is None else max(0.0, mean_cost - multiplier.last_cost)
+    value = max(0.0, kp * (mean_cost - limit) + integral + kd * rise)
+    return Multiplier(value=value, integral=integral, last_cost=mean_cost)

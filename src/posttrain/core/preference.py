@@ -273,3 +273,16 @@ def ensemble_lower_bound(scores: torch.Tensor, std_coef: float) -> tuple[torch.T
     no spread, so its std is 0 and its scores pass unchanged."""
     spread = scores.std(dim=0) if scores.shape[0] > 1 else torch.zeros_like(scores[0])
     return scores.mean(dim=0) - std_coef * spread, spread
+
+
+def weighted_head_sum(scores: torch.Tensor, weights) -> torch.Tensor:
+    """Multi-objective reward of a reward model with H heads, one score per objective
+    (helpfulness, harmlessness, ...): [..., H] scores and H weights -> [...] sum_h w_h * r_h.
+    A head weighted 0 is left out of the reward (its score is still computed)."""
+    weights = torch.as_tensor(weights, dtype=scores.dtype, device=scores.device)
+    if weights.dim() != 1 or scores.dim() == 0 or weights.shape[0] != scores.shape[-1]:
+        raise ValueError(f"weights must be [H] for scores [..., H], got weights {tuple(weights.shape)} and scores "
+                         f"{tuple(scores.shape)}")
+    check_finite("weights", weights)
+    check_finite("scores", scores)
+    return (scores * weights).sum(dim=-1)

@@ -7,7 +7,10 @@ Two sources, picked by ``preference.source`` (conf/train.yaml):
               judged by the task's verifier. A prompt with a right and a wrong sample gives
               an ``on_policy`` pair (the first of each); otherwise the reference solution is
               chosen and a copy of it with one digit of its final answer changed (which the
-              verifier marks wrong) is rejected: a ``perturbed`` pair. Training pairs come
+              verifier marks wrong) is rejected: a ``perturbed`` pair. A reward model with
+              several heads (``algorithm.heads``) gets, per prompt, a pair for each head the
+              task can label: ``correct`` (the pair above) and ``concise`` (the shortest right
+              response, the reference among them, over the longest: ``shorter_right``). Training pairs come
               from the task's training prompts, held-out pairs from its validation prompts
               (the task splits by prompt hash: no prompt is in both). They are built once and
               cached under ``paths.cache_dir``/preference_pairs, keyed by what they depend on.
@@ -15,7 +18,8 @@ Two sources, picked by ``preference.source`` (conf/train.yaml):
               file or directory; data/hub.py's loaders) with columns prompt / chosen /
               rejected. Each is plain text or chat messages; in the common conversation
               schema chosen and rejected are whole conversations, whose turns before the last
-              are the prompt and whose last (assistant) turn is the response.
+              are the prompt and whose last (assistant) turn is the response. An optional
+              column (``preference.columns.head``) names the reward-model head a pair trains.
 """
 
 from __future__ import annotations
@@ -34,8 +38,12 @@ from posttrain.errors import ConfigError, DataError
 
 log = logging.getLogger("posttrain")
 
-KINDS = ("on_policy", "perturbed", "dataset")
+KINDS = ("on_policy", "perturbed", "shorter_right", "dataset")
 SPLITS = ("train", "validation")
+DEFAULT_HEADS = ("reward",)  # algorithm.heads' default: one head, the reward model of before heads had names
+# The heads embedded pairs can label (prepare/preference_pairs.py makes them): a right response over
+# a wrong one (the verifier's verdict), a shorter right response over a longer one
+EMBEDDED_HEADS = ("correct", "concise")
 
 
 @dataclass
@@ -51,6 +59,9 @@ class PreferencePair:
     # did, so its row gets none (embedded on-policy pairs)
     chosen_ended: bool = True
     rejected_ended: bool = True
+    # the reward-model head it trains (algorithm.heads, when there are several): "correct" or
+    # "concise" for embedded pairs, the head column (preference.columns.head) of a dataset
+    head: str | None = None
 
 
 # --- collation ------------------------------------------------------------------------------
@@ -172,12 +183,37 @@ def check_pairs_fit(source: PreferenceSource, tokenizer) -> None:
                         f"shorten such pairs, or use a model with a longer context")
 
 
+def check_pair_heads(source: PreferenceSource, heads: list[str]) -> None:
+    """With several reward-model heads (algorithm.heads) every pair must name one of them: the
+    head its Bradley-Terry loss trains. One head trains on every pair, whatever it names."""
+    if len(heads) < 2:
+        return
+    for split in source.splits():
+        for number, pair in enumerate(source.pairs(split)):
+            if pair.head not in heads:
+                where = pair.origin or f"{split} pair {number} (prompt {pair.prompt[:60]!r})"
+                named = "names no head" if pair.head is None else f"names head {pair.head!r}"
+                raise DataError(f"{where} {named} (column preference.columns.head), but "
+                                f"algorithm.heads={heads}: each pair must name the head it trains; add a head column "
+                                f"with one of {heads} per row")
+
+
 # --- embedded pairs ---------------------------------------------------------------------------
+
+def embedded_heads_problem(heads: list[str]) -> str | None:
+    """Several heads: each must be one the embedded pairs can label (one head trains on every pair)."""
+    unknown = [head for head in heads if head not in EMBEDDED_HEADS] if len(heads) > 1 else []
+    if not unknown:
+        return None
+    return (f"algorithm.heads={heads}: the embedded preference pairs label only the heads {list(EMBEDDED_HEADS)} "
+            f"(correct: a right response over a wrong one; concise: a shorter right response over a longer one), not "
+            f"{unknown}; rename the heads, or use preference.source=dataset with a head column "
+            f"(preference.columns.head)")
 
 
 # --- dataset pairs -----------------------------------------------------------------------------
 
-COLUMNS = ("prompt", "chosen", "rejected")
+COLUMNS = ("prompt", "chosen", "rejected", "head")
 # The preference keys only preference.source=dataset reads.
 DATASET_KEYS = ("path", "config", "splits", "columns", "validation_size", "validation_seed", "chat")
 
@@ -223,8 +259,12 @@ def read_pair_table(table, where: str, settings) -> list[PreferencePair]:
     if len(table) == 0:
         raise DataError(f"{where} holds no rows: an empty split")
     has_prompt = columns["prompt"] in table.column_names
-    return [read_pair_row(row, f"{where} row {number}", columns, has_prompt, settings.chat, table.column_names)
-            for number, row in enumerate(table)]
+    pairs = [read_pair_row(row, f"{where} row {number}", columns, has_prompt, settings.chat, table.column_names)
+             for number, row in enumerate(table)]
+    if columns["head"] in table.column_names:  # the reward-model head of each pair (check_pair_heads)
+        for pair, row in zip(pairs, table):
+            pair.head = None if row[columns["head"]] is None else str(row[columns["head"]])
+    return pairs
 
 
 def read_pair_row(row: dict, where: str, columns: dict, has_prompt: bool, chat: bool, names) -> PreferencePair:

@@ -3,6 +3,8 @@
     posttrain -m algorithm=grpo,dapo seed=0,1,2
     posttrain-report outputs/multiruns/<time>                   # -> <dir>/report/report.md, *.png
     posttrain-report outputs/multiruns/<time> --by algorithm --smooth 10 --out /tmp/report
+    posttrain-report outputs/multiruns/<time> --baseline algorithm=dapo --x samples
+    posttrain-report --compare <run dir> <run dir> --at 100 200  # side-by-side pages (panel_pages.py)
 
 Reads every job's summary.json (final and start metrics), .hydra/overrides.yaml (the sweep's
 axes) and logged history: `metrics.jsonl` (posttrain.run.history, written whatever the logger)
@@ -15,6 +17,19 @@ shown; n = 1: the value alone); the plots draw one line per choice (the mean ove
 a band from the lowest to the highest seed, over rollout batches. Runs that logged held-out
 calibration (`eval/ece`, `eval/reliability/*`) add a calibration table (ECE and confidence
 before and after) and `reliability.png`, the reliability diagram before and after training.
+
+Verdicts (docs/verdicts.md): each choice ("arm") against a baseline arm (`--baseline`, default
+the first): per final metric of VERDICT_METRICS, the arm's mean with its 95% t interval over
+seeds, the difference to the baseline with its 95% interval (paired over seeds when both arms
+ran the same seeds, else Welch; core/statistics.py), and the verdict: better, worse, or within
+noise. The baseline's seed spread (the noise floor) is shown above each table.
+
+Curves are drawn against `--x`: rollout batches (default), sampled completions
+(`rollout/samples_seen`), generated response tokens (`rollout/tokens_seen`) or wall seconds
+(`perf/elapsed_s`, checkpointed, so a resumed run continues it; in a history from before it
+was, the clock restarts at a resume, and the report adds the seconds before each restart).
+Against a budget that seeds spend unevenly (tokens, seconds), each seed's curve is
+interpolated onto the x values where every seed has one.
 """
 
 from __future__ import annotations
@@ -23,13 +38,15 @@ import argparse
 import csv
 import json
 import math
+import os
 import re
-import statistics
 import sys
 from pathlib import Path
 
 import yaml
 
+from posttrain.core import statistics
+from posttrain.errors import DataError
 from posttrain.run.history import HISTORY_FILE, read_history
 
 # --- reading a sweep --------------------------------------------------------------------------
@@ -122,7 +139,7 @@ def mean_std(values: list[float], fmt: str = ".1f") -> str:
         return ""
     if len(values) == 1:
         return format(values[0], fmt)
-    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt.lstrip('+'))}"
+    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.sample_std(values), fmt.lstrip('+'))}"
 
 
 def _change(run: dict) -> float | None:
@@ -215,8 +232,16 @@ def smoothed(series: dict[int, float], window: int) -> dict[int, float]:
     return out
 
 
-def seed_band(series: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
-    """x, mean, min, max over the seeds that logged each x."""
+def seed_band(series: list[dict[int, float]], interpolate: bool = False) -> tuple[list, list[float], list[float],
+                                                                                  list[float]]:
+    """x, mean, min, max over the seeds that logged each x. `interpolate` (a budget the seeds
+    spend unevenly: tokens, seconds): each seed's curve linearly interpolated onto every x
+    logged by some seed inside the range all seeds cover."""
+    if interpolate and len(series) > 1:
+        low_x, high_x = max(min(s) for s in series), min(max(s) for s in series)
+        if low_x <= high_x:
+            xs = sorted({x for s in series for x in s if low_x <= x <= high_x})
+            series = [{x: interpolated(s, x) for x in xs} for s in series]
     xs = sorted({x for s in series for x in s})
     mean, low, high = [], [], []
     for x in xs:
@@ -227,8 +252,18 @@ def seed_band(series: list[dict[int, float]]) -> tuple[list[int], list[float], l
     return xs, mean, low, high
 
 
+def interpolated(series: dict[float, float], x: float) -> float:
+    """The series' value at x (inside its range), linear between its two nearest points."""
+    xs = sorted(series)
+    right = next(i for i, value in enumerate(xs) if value >= x)
+    if xs[right] == x or right == 0:
+        return series[xs[right]]
+    x0, x1 = xs[right - 1], xs[right]
+    return series[x0] + (series[x1] - series[x0]) * (x - x0) / (x1 - x0)
+
+
 def draw_panel(ax, metric: str, title: str, scale: float, groups: dict[tuple, list[dict]], labels: list[str],
-               smooth: int, x_label: str) -> None:
+               smooth: int, x_label: str, interpolate: bool = False) -> None:
     # start-up: plotting loads only when a report draws
     from matplotlib.ticker import MaxNLocator
 
@@ -239,20 +274,21 @@ def draw_panel(ax, metric: str, title: str, scale: float, groups: dict[tuple, li
                   for run in members if metric in run["history"]]
         if not series:
             continue
-        xs, mean, low, high = seed_band(series)
+        xs, mean, low, high = seed_band(series, interpolate)
         color = f"C{i % 10}"
         ax.plot(xs, mean, color=color, label=labels[i], marker="o" if evaluated else None, markersize=3,
                 linewidth=1.2)
         if len(series) > 1:
             ax.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # batches are whole numbers
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # batches, samples and tokens are whole numbers
     ax.set_title(f"{title}\n{metric}", fontsize=9)
     ax.set_xlabel(x_label, fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
 
 
-def write_plots(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Path, smooth: int) -> list[str]:
+def write_plots(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Path, smooth: int,
+                x_axis: str = "batch") -> list[str]:
     """One PNG per panel some run logged, and curves.png with all of them; returns the files."""
     # start-up: plotting loads only when a report draws
     import matplotlib
@@ -271,12 +307,12 @@ def write_plots(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Pat
             panels.append((stem, title, metric, scale))
     if not panels:
         return []
-    x_label = "rollout batch" if "rollout/batch" in logged else "training batch"
+    x_label = X_AXES[x_axis][1] if x_axis != "batch" or "rollout/batch" in logged else "training batch"
 
     files = []
     for stem, title, metric, scale in panels:
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        draw_panel(ax, metric, title, scale, groups, labels, smooth, x_label)
+        draw_panel(ax, metric, title, scale, groups, labels, smooth, x_label, interpolate=x_axis != "batch")
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out_dir / f"{stem}.png", dpi=120)
@@ -287,7 +323,7 @@ def write_plots(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Pat
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows + 0.4), squeeze=False)
     for ax, (stem, title, metric, scale) in zip(axes.flat, panels):
-        draw_panel(ax, metric, title, scale, groups, labels, smooth, x_label)
+        draw_panel(ax, metric, title, scale, groups, labels, smooth, x_label, interpolate=x_axis != "batch")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     # one legend for the figure, every choice in it (a panel may lack some: no KL for dapo)
@@ -298,6 +334,174 @@ def write_plots(groups: dict[tuple, list[dict]], labels: list[str], out_dir: Pat
     fig.savefig(out_dir / "curves.png", dpi=120)
     plt.close(fig)
     return ["curves.png"] + files
+
+
+# --- budget axes: what the curves are drawn against ----------------------------------------------
+
+# --x: (the history's cumulative metric, None for the batch itself; the axis label)
+X_AXES = {
+    "batch": (None, "rollout batch"),
+    "samples": ("rollout/samples_seen", "sampled completions (all ranks)"),
+    "tokens": ("rollout/tokens_seen", "generated response tokens (all ranks)"),
+    "seconds": ("perf/elapsed_s", "training wall seconds"),
+}
+
+
+def summed_over_resumes(elapsed: dict[int, float]) -> dict[int, float]:
+    """perf/elapsed_s with each restart (a value below the one before) continued from where the
+    batch before it ended: runs logged before the clock was checkpointed restart it at 0 when
+    they resume (a resumed run now continues it itself, and nothing changes here)."""
+    total, offset, previous = {}, 0.0, None
+    for batch in sorted(elapsed):
+        if previous is not None and elapsed[batch] < previous:
+            offset = total[max(total)]
+        total[batch] = offset + elapsed[batch]
+        previous = elapsed[batch]
+    return total
+
+
+def budget_axis(history: dict[str, dict[int, float]], x_axis: str) -> dict[int, float] | None:
+    """{batch: x} of one run on the axis `x_axis` (batch 0, before training, at x = 0); None
+    when the run did not log the axis' metric."""
+    metric = X_AXES[x_axis][0]
+    if metric not in history:
+        return None
+    values = summed_over_resumes(history[metric]) if x_axis == "seconds" else dict(history[metric])
+    return {0: 0.0, **values}
+
+
+def on_budget_axis(history: dict[str, dict[int, float]], axis: dict[int, float]) -> dict[str, dict[float, float]]:
+    """Each metric's points moved from their batch to the batch's x on the axis (points at a
+    batch the axis lacks are dropped)."""
+    return {name: {axis[batch]: value for batch, value in series.items() if batch in axis}
+            for name, series in history.items()}
+
+
+# --- verdicts: each arm against the baseline arm -------------------------------------------------
+
+# The final metrics judged, each with its direction, explicit: (title, summary.json key, scale,
+# format, higher is better). A shorter response counts as better (the same answer for less
+# compute); read it beside the accuracy.
+VERDICT_METRICS = (
+    ("held-out accuracy %", "eval/accuracy", 100.0, ".1f", True),
+    ("held-out response length (tokens)", "eval/response_len", 1.0, ".2f", False),
+    ("held-out calibration error (ECE)", "eval/ece", 1.0, ".3f", False),
+    ("held-out proxy reward (learned)", "eval/proxy_reward", 1.0, ".3f", True),
+)
+CONFIDENCE_LEVEL = 0.95
+
+
+def seed_values(members: list[dict], key: str, scale: float) -> dict[str, float]:
+    """{seed: scaled value} of a choice's runs that have a finite `key`. Runs of one choice that
+    share a seed (keys left out of --by) are told apart by their job name, so they pair with no
+    other arm's."""
+    seeds = [choice_value(run, "seed") for run in members]
+    unique = len(set(seeds)) == len(seeds)
+    values = {}
+    for seed, run in zip(seeds, members):
+        value = run.get(key)
+        if value is not None and math.isfinite(float(value)):
+            values[seed if unique else run["path"].name] = scale * float(value)
+    return values
+
+
+def pick_baseline(labels: list[str], keys: list[tuple], choice: str | None) -> int:
+    """The index of the baseline arm: `choice` is an arm's label as the report prints it
+    ('algorithm=grpo'), its values alone ('grpo'), or its index (0: the first); None: the first."""
+    if choice is None:
+        return 0
+    if choice.isdigit() and int(choice) < len(labels):
+        return int(choice)
+    matches = [i for i, (label, key) in enumerate(zip(labels, keys)) if choice in (label, ", ".join(key))]
+    if len(matches) != 1:
+        arms = "; ".join(f"{i}: {label}" for i, label in enumerate(labels))
+        reason = "matches no arm" if not matches else "matches several arms"
+        raise ReportError(f"--baseline {choice} {reason}; the arms are {arms}")
+    return matches[0]
+
+
+def interval_text(interval: statistics.Interval, fmt: str) -> str:
+    """'mean [low, high]', signed for a difference; the mean alone, marked, without an interval."""
+    estimate = format(interval.estimate, fmt)
+    if math.isinf(interval.half_width):
+        return f"{estimate} (1 seed: no interval)"
+    return f"{estimate} [{format(interval.low, fmt)}, {format(interval.high, fmt)}]"
+
+
+def method_text(difference: statistics.Interval) -> str:
+    if math.isinf(difference.half_width):
+        return "needs 2 seeds per arm"
+    if difference.method == "paired":
+        return f"paired, {difference.n} seeds"
+    return "Welch" + (f", df {difference.df:.1f}" if math.isfinite(difference.df) else ", no spread")
+
+
+def verdict_table(groups: dict[tuple, list[dict]], labels: list[str], baseline: int, key: str, scale: float,
+                  fmt: str, higher_is_better: bool) -> list[list[str]]:
+    """One row per arm that has the metric: #, arm, n, mean [CI], difference [CI], interval, verdict."""
+    arms = [seed_values(members, key, scale) for members in groups.values()]
+    reference = arms[baseline]
+    body = []
+    for i, (label, values) in enumerate(zip(labels, arms)):
+        if not values:
+            continue
+        arm_mean = statistics.mean_interval(list(values.values()), CONFIDENCE_LEVEL)
+        row = [str(i), label, str(len(values)), interval_text(arm_mean, fmt)]
+        if i == baseline:
+            row += ["(baseline)", "", ""]
+        elif not reference:
+            row += ["", "", "baseline lacks it"]
+        else:
+            difference = statistics.arm_difference(values, reference, CONFIDENCE_LEVEL)
+            judged = statistics.verdict(difference, higher_is_better)
+            row += [interval_text(difference, "+" + fmt), method_text(difference),
+                    judged if judged == "within noise" else f"**{judged}**"]
+        body.append(row)
+    return body
+
+
+def noise_floor_text(values: dict[str, float], fmt: str) -> str:
+    """The baseline's seed spread: its sample std and its mean's interval half-width."""
+    if len(values) < 2:
+        return f"Noise floor: the baseline has {len(values)} seed: no spread to measure, no verdict but noise."
+    spread = statistics.sample_std(list(values.values()))
+    half = statistics.mean_interval(list(values.values()), CONFIDENCE_LEVEL).half_width
+    return (f"Noise floor: the baseline's seeds spread with a sample std of {format(spread, fmt)} over "
+            f"{len(values)} seeds; its mean is known to ± {format(half, fmt)} (95%).")
+
+
+def verdict_section(groups: dict[tuple, list[dict]], labels: list[str], baseline: int) -> list[str]:
+    """The report's verdicts: per judged metric some run has, the noise floor and a table of
+    every arm against the baseline; [] with a single arm."""
+    if len(groups) < 2:
+        return []
+    runs = [run for members in groups.values() for run in members]
+    lines = [
+        f"## Verdicts against arm {baseline}: {labels[baseline]}",
+        "",
+        ("Per arm, the mean over its seeds with its 95% confidence interval (Student's t, n - 1 degrees of "
+         "freedom); per arm against the baseline, the difference of the means with its 95% interval: "
+         "paired over seeds when both arms ran the same seeds (the per-seed differences; a seed shares the "
+         "data order and the sampler's draws between arms), else Welch's. **better** / **worse**: the "
+         "difference's interval excludes 0 on the metric's good / bad side; within noise: it contains 0. "
+         "Another baseline: `--baseline <arm label or #>`. How to read it: docs/verdicts.md."),
+        "",
+    ]
+    for title, key, scale, fmt, higher_is_better in VERDICT_METRICS:
+        if not any(key in run for run in runs):
+            continue
+        direction = "higher is better" if higher_is_better else "lower is better"
+        baseline_values = seed_values(list(groups.values())[baseline], key, scale)
+        lines += [
+            f"### {title}: `{key}`, {direction}",
+            "",
+            noise_floor_text(baseline_values, fmt.lstrip("+")),
+            "",
+            *markdown_table(["#", "arm", "n", "mean [95% CI]", "difference to baseline [95% CI]", "interval",
+                             "verdict"], verdict_table(groups, labels, baseline, key, scale, fmt, higher_is_better)),
+            "",
+        ]
+    return lines
 
 
 # --- calibration: ECE and the reliability diagram ------------------------------------------------
@@ -404,8 +608,10 @@ def calibration_section(groups: dict[tuple, list[dict]], labels: list[str], by: 
 # --- the report -------------------------------------------------------------------------------
 
 
-def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None = None, smooth: int = 1) -> Path:
-    """Write <out_dir>/report.md and the PNGs (out_dir: <root>/report); returns report.md."""
+def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None = None, smooth: int = 1,
+                 baseline: str | None = None, x_axis: str = "batch") -> Path:
+    """Write <out_dir>/report.md and the PNGs (out_dir: <root>/report); returns report.md.
+    `baseline`: the arm the others are judged against (pick_baseline); `x_axis`: a key of X_AXES."""
     root = Path(root)
     runs = load_runs(root)
     if not runs:
@@ -423,12 +629,15 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
         for name in ("eval/accuracy", "eval/response_len", "eval/proxy_reward", "eval/ece"):  # from the start eval
             if name in run["history"] and f"{name}_start" in run:
                 run["history"][name].setdefault(0, run[f"{name}_start"])
+    if x_axis != "batch":
+        move_to_budget_axis(runs, x_axis)
 
     out_dir = Path(out_dir) if out_dir is not None else root / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs, by)
     labels = [", ".join(f"{k}={v}" for k, v in zip(by, key)) or "all runs" for key in groups]
-    pictures = write_plots(groups, labels, out_dir, smooth)
+    baseline_index = pick_baseline(labels, list(groups), baseline)
+    pictures = write_plots(groups, labels, out_dir, smooth, x_axis)
 
     n_seeds = sorted({len(members) for members in groups.values()})
     lines = [
@@ -453,6 +662,7 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
             "(rollout/mismatch/*). A choice with an invalid run is marked invalid; do not compare it as it is.",
             "",
         ]
+    lines += verdict_section(groups, labels, baseline_index)
     lines += calibration_section(groups, labels, by, out_dir)
     lines += [
         "## Curves",
@@ -462,8 +672,9 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
     if pictures:
         lines += [
             "One line per choice: the mean over its seeds; the shaded band spans the lowest to the "
-            "highest seed. x: rollout batches; held-out metrics at the batches they were evaluated "
-            "at (0: before training)"
+            f"highest seed. x: {X_AXES[x_axis][1]}"
+            + ("" if x_axis == "batch" else f" (`{X_AXES[x_axis][0]}`, each seed interpolated onto common x)")
+            + "; held-out metrics where they were evaluated (0: before training)"
             + (f"; training curves smoothed by a trailing mean over {smooth} batches." if smooth > 1 else "."),
             "",
             f"![curves]({pictures[0]})",
@@ -488,6 +699,18 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
     return report
 
 
+def move_to_budget_axis(runs: list[dict], x_axis: str) -> None:
+    """Each run's history re-keyed from batches to `x_axis`; a run that did not log the axis'
+    metric keeps no history (listed in the report as without one). No run with it: an error."""
+    metric = X_AXES[x_axis][0]
+    axes = [budget_axis(run["history"], x_axis) for run in runs]
+    if all(axis is None for axis in axes):
+        raise ReportError(f"--x {x_axis}: no run logged {metric} (online RL runs log it each rollout batch); "
+                          "draw against --x batch")
+    for run, axis in zip(runs, axes):
+        run["history"] = on_budget_axis(run["history"], axis) if axis is not None else {}
+
+
 class ReportError(Exception):
     """Bad input to posttrain-report: printed as one line, exit 1."""
 
@@ -495,22 +718,52 @@ class ReportError(Exception):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="posttrain-report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", type=Path, help="a multirun directory (or any folder of run directories)")
+    parser.add_argument("root", type=Path, nargs="?",
+                        help="a multirun directory (or any folder of run directories); optional with --compare")
     parser.add_argument("--by", nargs="+", metavar="KEY",
                         help="the keys that make a choice; runs that share them are aggregated as seeds "
                              "(default: every override that varies, except seed; `--by algorithm seed`: one row per run)")
     parser.add_argument("--out", type=Path, help="output directory (default: <root>/report)")
     parser.add_argument("--smooth", type=int, default=1, metavar="N",
                         help="trailing mean over N batches of the training curves (default 1: none)")
+    parser.add_argument("--baseline", metavar="ARM",
+                        help="the arm the others are judged against: its label as the report prints it "
+                             "(algorithm=grpo), its values (grpo) or its # (default: 0, the first)")
+    parser.add_argument("--x", dest="x_axis", choices=list(X_AXES), default="batch",
+                        help="the curves' x axis: rollout batches, sampled completions, generated tokens or "
+                             "training wall seconds (default: batch)")
+    parser.add_argument("--compare", nargs="+", type=Path, metavar="RUN",
+                        help="run (or sweep) directories to set side by side in panel pages, written to --out "
+                             "when no root is given, else to <their common folder>/compare")
+    parser.add_argument("--at", nargs="+", type=int, metavar="BATCH",
+                        help="with --compare: the rollout batches whose samples the pages show")
     args = parser.parse_args(argv)
     try:
-        if not args.root.is_dir():
-            raise ReportError(f"{args.root} is not a directory")
-        report = write_report(args.root, args.by, args.out, max(1, args.smooth))
-    except ReportError as err:
+        if args.at and not args.compare:
+            raise ReportError("--at picks the batches of --compare's pages: give --compare RUN [RUN ...] too")
+        if args.root is None and not args.compare:
+            raise ReportError("give a sweep directory (root) or --compare RUN [RUN ...]")
+        if args.root is not None:
+            if not args.root.is_dir():
+                raise ReportError(f"{args.root} is not a directory")
+            report = write_report(args.root, args.by, args.out, max(1, args.smooth), args.baseline, args.x_axis)
+            print(f"wrote {report} and its plots in {report.parent}")
+        if args.compare:
+            print(f"wrote {compare_runs(args.compare, args.out if args.root is None else None, args.at)}")
+    except (ReportError, DataError) as err:  # DataError: a run directory --compare cannot read
         print(f"posttrain-report: error: {err}", file=sys.stderr)
         sys.exit(1)
-    print(f"wrote {report} and its plots in {report.parent}")
+
+
+def compare_runs(run_dirs: list[Path], out_dir: Path | None, at_batches: list[int] | None) -> Path:
+    """--compare: the runs' panel pages (posttrain.eval.panel_pages, which checks the
+    directories), in `out_dir` (default: the runs' common folder / compare)."""
+    # start-up: the pages' code loads only when pages are asked for
+    from posttrain.eval.panel_pages import write_panel_pages
+
+    if out_dir is None:
+        out_dir = Path(os.path.commonpath([run.resolve() for run in run_dirs])) / "compare"
+    return write_panel_pages(list(run_dirs), Path(out_dir), at_batches)
 
 
 if __name__ == "__main__":

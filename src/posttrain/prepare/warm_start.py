@@ -125,15 +125,19 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
         sft_cfg.callbacks.stop_at_step = None
         sft_cfg.ckpt_path = None  # the RL run's checkpoint is not the warm start's
         sft_cfg.callbacks.stop_at_accuracy = target_accuracy
+        sft_cfg.callbacks.extra = []  # the user's callbacks watch their own run, not a cached prerequisite
         if not sys.stdout.isatty():  # a log file gets its two lines, not a line per eval
             sft_cfg.callbacks.progress_bar = "none"
         sft_cfg.eval.at_start = False
+        if "panel" in sft_cfg.eval:  # the prompt panel is for comparing runs, not their cached start
+            sft_cfg.eval.panel.size, sft_cfg.eval.panel.file = 0, None
         sft_cfg.logger = {"backend": "none"}
     identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer", "eval"])
     identity_cfg.stop_at_accuracy = target_accuracy
     identity_cfg.code = code_version()
     identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
     identity_cfg.model.pop("lora", None)  # off in the warm start, whatever the RL run's adapter
+    identity_cfg.eval.pop("panel", None)  # off in the warm start, whatever the RL run's panel
     identity = OmegaConf.to_yaml(identity_cfg)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return sft_cfg, Path(cfg.paths.cache_dir) / folder / digest

@@ -6,15 +6,15 @@
       components:
         accuracy: {weight: 1.0}
         overlong: {weight: 1.0, cache_len: 4}
-        mine: {weight: 0.5, target: my_pkg.rewards.brevity, scale: 2}
+        mine: {weight: 0.5, _target_: my_pkg.rewards.brevity, scale: 2}
 
 A component is a built-in (`REWARD_FUNCTIONS`) named by its key, or a user function named
-by `target:`; every option besides `weight` and `target` is a keyword argument to it.
+by `_target_:` (the convention of every user component: run/user_components.py); every option
+besides `weight` and `_target_` is a keyword argument to it.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from typing import Any, Callable, Sequence
@@ -25,6 +25,7 @@ from posttrain.errors import ConfigError, RewardError
 from posttrain.rewards.base import RewardFunction, ScoredSample
 from posttrain.rewards.components import REWARD_FUNCTIONS
 from posttrain.rewards.composite import ON_ERROR_MODES, CompositeReward
+from posttrain.run.user_components import TARGET, check_options, import_function
 
 # path / paths: the reward model preset's shorthands (reward.path=<dir>), read by its component;
 # constraint: a Lagrangian constraint on one component, applied by the trainer (online.py), not here
@@ -34,6 +35,12 @@ BUDGET_PARAM = "max_new_tokens"
 # ... and with these, the run's policy and tokenizer (a learned scorer runs on the policy's
 # device and may tokenise as it does); None where none exists yet (the start-up config check).
 RUN_PARAMS = ("policy", "tokenizer")
+# The arguments the composite passes a user's function first, and the keys of a component that
+# are no arguments of its function.
+USER_FUNCTION_ARGUMENTS = ("samples", "source")
+COMPONENT_KEYS = ("weight", TARGET)
+# The key a user function was named by before `_target_` became the one convention.
+OLD_TARGET = "target"
 
 
 class TargetReward:
@@ -76,7 +83,7 @@ def build_reward(reward_cfg: DictConfig, source, max_new_tokens: int, *, policy=
 
 
 def check_user_functions(reward_cfg: DictConfig, source, max_new_tokens: int) -> None:
-    """Call the user's reward functions (`target:` components) once on stand-in samples of
+    """Call the user's reward functions (`_target_:` components) once on stand-in samples of
     `source`, before anything is trained: a function that raises or returns NaN or no number
     stops the run in seconds with the error training would give, not after the warm start
     (with reward.on_error=fail as in training: only an answer that is no [B] scores stops it).
@@ -87,7 +94,7 @@ def check_user_functions(reward_cfg: DictConfig, source, max_new_tokens: int) ->
     cfg = OmegaConf.to_container(reward_cfg, resolve=True) if isinstance(reward_cfg, DictConfig) else dict(reward_cfg)
     run = {BUDGET_PARAM: max_new_tokens, **dict.fromkeys(RUN_PARAMS)}
     user_functions = [_build_component(name, entry, run) for name, entry in (cfg.get("components") or {}).items()
-                      if isinstance(entry, dict) and entry.get("target") is not None]
+                      if isinstance(entry, dict) and entry.get(TARGET) is not None]
     if not user_functions:
         return
     example = source.example("train", 0)
@@ -117,14 +124,18 @@ def _build_component(name: str, entry: Any, run: dict[str, Any]) -> tuple[Reward
     weight = options.pop("weight", 1.0)
     if not _is_finite_number(weight):
         raise ConfigError(f"{key}.weight must be a finite number, got {weight!r}")
-    target = options.pop("target", None)
+    if OLD_TARGET in options:
+        raise ConfigError(f"{key}.{OLD_TARGET} is now written {key}.{TARGET} (the one convention of user components: "
+                          f"`{TARGET}: package.module.function`)")
+    target = options.pop(TARGET, None)
     if target is not None:
-        fn = _import_function(target, key)
-        _check_options(key, fn, options, supplied=2)  # (samples, source) come from the composite
+        fn = import_function(key, target)
+        check_options(key, fn, options, named=target, supplied=USER_FUNCTION_ARGUMENTS, config_keys=COMPONENT_KEYS)
         return TargetReward(name, fn, options), float(weight)
     if name not in REWARD_FUNCTIONS:
-        raise ConfigError(f"{key}: unknown reward component {name!r}; valid names: {', '.join(sorted(REWARD_FUNCTIONS))} "
-                          f"(or give `target: package.module.function` for your own)")
+        raise ConfigError(f"{key}: unknown reward component {name!r}; valid names: "
+                          f"{', '.join(sorted(REWARD_FUNCTIONS))} (or give `{TARGET}: package.module.function` for "
+                          f"your own)")
     factory = REWARD_FUNCTIONS[name]
     if BUDGET_PARAM in options:
         raise ConfigError(f"{key}.{BUDGET_PARAM} is set from the generation budget (rollout.max_new_tokens), "
@@ -132,7 +143,7 @@ def _build_component(name: str, entry: Any, run: dict[str, Any]) -> tuple[Reward
     taken = [param for param in RUN_PARAMS if param in options]
     if taken:
         raise ConfigError(f"{key}.{taken[0]} is the run's own (given by the training module), not a config option")
-    _check_options(key, factory, options, supplied=0, hidden=tuple(run))
+    check_options(key, factory, options, named=f"the {name} reward", hidden=tuple(run), config_keys=("weight",))
     declared = inspect.signature(factory).parameters
     options.update({param: value for param, value in run.items() if param in declared})
     try:
@@ -140,46 +151,6 @@ def _build_component(name: str, entry: Any, run: dict[str, Any]) -> tuple[Reward
     except ValueError as err:
         raise ConfigError(f"{key}: {err}") from None
     return fn, float(weight)
-
-
-def _import_function(path: Any, key: str) -> Callable[..., Any]:
-    """The callable at a dotted path `package.module.function`, or a ConfigError naming `key`."""
-    if not isinstance(path, str) or "." not in path:
-        raise ConfigError(f"{key}.target must be a dotted path like 'package.module.function', got {path!r}")
-    module_path, _, attribute = path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_path), attribute)
-    except Exception as err:  # a missing module, a missing name, or the module failing on import
-        raise ConfigError(f"{key}.target={path!r} cannot be imported: {type(err).__name__}: {err}") from err
-    if not callable(fn):
-        raise ConfigError(f"{key}.target={path!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-def _check_options(key: str, fn: Callable[..., Any], options: dict[str, Any], supplied: int,
-                   hidden: tuple[str, ...] = ()) -> None:
-    """Refuse options `fn` does not take, and required ones left out, before the run starts.
-
-    `supplied` leading parameters and the `hidden` ones are filled in by the code, not the config.
-    """
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return  # a callable without an inspectable signature: it will complain when called
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < supplied and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise ConfigError(f"{key}: {getattr(fn, '__name__', fn)} must take (samples, source) as its first arguments")
-    named = [p for p in params[supplied:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-             and p.name not in hidden]
-    if not any(p.kind == p.VAR_KEYWORD for p in params):
-        valid = [p.name for p in named]
-        unknown = sorted(set(options) - set(valid))
-        if unknown:
-            raise ConfigError(f"{key}: unknown option(s) {unknown}; valid options: "
-                              f"{', '.join(['weight', 'target'] + valid)}")
-    missing = [p.name for p in named if p.default is p.empty and p.name not in options]
-    if missing:
-        raise ConfigError(f"{key}: missing required option(s) {missing}")
 
 
 def _is_finite_number(value: Any) -> bool:

@@ -19,7 +19,7 @@ from posttrain.rewards.base import RewardFunction, RewardOutput, ScoredSample, d
 ON_ERROR_MODES = ("raise", "fail")
 
 # The component whose full-credit score (1.0) marks a sample correct; `accuracy` may be the
-# built-in verifier or a user's own (`accuracy: {target: ...}`).
+# built-in verifier or a user's own (`accuracy: {_target_: ...}`).
 ACCURACY = "accuracy"
 
 

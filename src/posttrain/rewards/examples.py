@@ -1,9 +1,9 @@
-"""A user-defined reward, as a template for `target:` components.
+"""A user-defined reward, as a template for `_target_:` components.
 
     reward:
       components:
         accuracy: {weight: 1.0}
-        steps: {weight: 0.2, target: posttrain.rewards.examples.step_accuracy}
+        steps: {weight: 0.2, _target_: posttrain.rewards.examples.step_accuracy}
 
 Any importable function with this signature works: the batch of `ScoredSample`s and the
 task source in, one float per sample out (a list or a [B] tensor). Extra options in its

@@ -18,6 +18,13 @@ scores each sample by every model and returns mean - k * std over the models, k 
 `std_coef`: the policy gains less where the models disagree. The spread is logged as
 `rewards/reward_model/std`, each model's mean as `rewards/reward_model/model<i>/mean`.
 
+A reward model with several heads (algorithm=reward_model algorithm.heads=[correct,concise]; its
+config.json names them in `reward_heads`) scores each sample by every head; the reward is the
+weighted sum sum_h w_h * r_h, w = `head_weights` ({correct: 1.0, concise: 0.3}; a head it does
+not name weighs 0; null: every head weighs 1, so one head's score is the reward as before). Each
+head's mean is logged as `rewards/reward_model/<head>/mean`. A weight naming a head the model does
+not have is refused at start-up, naming the model's heads.
+
 Over-optimisation: a scorer marked `learned` also scores the greedy held-out responses at each
 evaluation (`eval/proxy_reward`, beside `eval/accuracy`; algorithms/base.py), so the point
 where the proxy keeps rising while the verifiable accuracy stalls or falls is visible.
@@ -26,14 +33,16 @@ where the proxy keeps rising while the verifiable accuracy stalls or falls is vi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from posttrain.core import ensemble_lower_bound
+from posttrain.core import ensemble_lower_bound, weighted_head_sum
 from posttrain.data.datamodule import prompt_text, prompt_token_ids, right_padded
+from posttrain.data.preference import DEFAULT_HEADS
 from posttrain.errors import ConfigError
 from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, declared_context, first_line_of
 from posttrain.rewards.base import ScoredSample
@@ -48,14 +57,16 @@ def learned_scorers(reward_fn) -> list:
 
 class RewardModelScorer:
     """`reward.components.reward_model`: the score of one reward model, or an ensemble's
-    mean - std_coef * std. `policy` and `tokenizer` are the run's, supplied by `build_reward`
-    (the policy's device is where the models run; its tokenizer, with `share_tokenizer`)."""
+    mean - std_coef * std; of a model with several heads, the `head_weights`-weighted sum of its
+    heads' scores. `policy` and `tokenizer` are the run's, supplied by `build_reward` (the
+    policy's device is where the models run; its tokenizer, with `share_tokenizer`)."""
 
     name = "reward_model"
     learned = True  # held-out evaluation logs its score as eval/proxy_reward
 
     def __init__(self, path: str | None = None, paths: list[str] | None = None, std_coef: float = 1.0,
-                 batch_size: int = 16, share_tokenizer: bool = False, *, policy=None, tokenizer=None):
+                 batch_size: int = 16, share_tokenizer: bool = False, head_weights: dict | None = None, *,
+                 policy=None, tokenizer=None):
         if (path is None) == (not paths):
             raise ConfigError(f"{KEY} needs exactly one of path (one reward model; reward.path) or paths (an "
                               f"ensemble; reward.paths), got path={path!r}, paths={paths!r}")
@@ -64,8 +75,9 @@ class RewardModelScorer:
         if isinstance(std_coef, bool) or not isinstance(std_coef, (int, float)) or not std_coef >= 0:
             raise ConfigError(f"{KEY}.std_coef={std_coef!r} must be a number >= 0")
         keyed = [(f"{KEY}.path", path)] if path is not None else [(f"{KEY}.paths[{i}]", p) for i, p in enumerate(paths)]
-        for key, directory in keyed:
-            check_reward_model_dir(directory, key)
+        self.heads = same_heads([(f"{key}={directory!r}", check_reward_model_dir(directory, key))
+                                 for key, directory in keyed])
+        self.head_weights = head_weight_vector(head_weights, self.heads)
         self.keyed_paths = keyed
         self.std_coef, self.batch_size = float(std_coef), batch_size
         self.share_tokenizer = share_tokenizer
@@ -104,9 +116,13 @@ class RewardModelScorer:
     def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
         models = self.models()
         self._metrics = {}  # this call's: score_with adds the truncated share
-        per_model = torch.stack([self.score_with(model, tokenizer, samples)
-                                 for model, tokenizer in zip(models, self._tokenizers)])
+        per_head = torch.stack([self.score_with(model, tokenizer, samples)
+                                for model, tokenizer in zip(models, self._tokenizers)])  # [models, B, heads]
+        per_model = weighted_head_sum(per_head, self.head_weights)
         scores, spread = ensemble_lower_bound(per_model, self.std_coef)
+        if len(self.heads) > 1 and per_head.numel():  # each objective's mean (over the ensemble's models too)
+            self._metrics.update({f"rewards/{self.name}/{head}/mean": float(per_head[..., h].mean())
+                                  for h, head in enumerate(self.heads)})
         if len(models) > 1:  # one model's mean is rewards/reward_model/mean already
             self._metrics.update({f"rewards/{self.name}/model{i}/mean": float(row.mean())
                                   for i, row in enumerate(per_model)})
@@ -121,7 +137,7 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def score_with(self, model, tokenizer, samples: Sequence[ScoredSample]) -> torch.Tensor:
-        """[B] float32 scores of one model, `batch_size` rows per forward. A row longer than the
+        """[B, heads] float32 scores of one model, `batch_size` rows per forward. A row longer than the
         model's context keeps its last tokens (the score is read at the last one, the response's
         end); the share of rows cut is logged as rewards/reward_model/truncated_frac."""
         rows = [self.token_row(tokenizer, sample) for sample in samples]
@@ -138,8 +154,8 @@ class RewardModelScorer:
             # right-padded: the sequence classifier reads its score at each row's last non-pad token
             input_ids, attention_mask, _ = right_padded(rows[start:start + self.batch_size], None, pad_id)
             input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
-            scores.append(model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float().cpu())
-        return torch.cat(scores) if scores else torch.zeros(0)
+            scores.append(model(input_ids=input_ids, attention_mask=attention_mask).logits.float().cpu())
+        return torch.cat(scores) if scores else torch.zeros(0, len(self.heads))
 
     def token_row(self, tokenizer, sample: ScoredSample) -> list[int]:
         """prompt + response (+ EOS when the response ended with one: not when it was cut by the
@@ -156,19 +172,72 @@ class RewardModelScorer:
 
 # --- checks and loading of a reward model directory -------------------------------------------------
 
-def check_reward_model_dir(directory, key: str) -> None:
-    """Refuse, from config.json alone, what is not a one-label sequence classifier with a pad token."""
-    config = one_label_model_config(directory, key, "ForSequenceClassification", "a reward model",
-                                    "algorithm=reward_model")
+def check_reward_model_dir(directory, key: str) -> list[str]:
+    """Refuse, from config.json alone, what is not a sequence classifier with a pad token and one
+    label, or a label per head it names (`reward_heads`); return the heads' names (a model that
+    names none has one head, `reward`)."""
+    config = model_config(directory, key, "ForSequenceClassification", "a reward model", "algorithm=reward_model")
+    heads = config.get("reward_heads") or list(DEFAULT_HEADS)
+    labels = label_count(config)
+    if labels != len(heads):
+        named = f"names the heads {heads}" if config.get("reward_heads") else "names no reward heads (reward_heads)"
+        raise ConfigError(f"{key}={directory!r} is not a reward model: its config.json {named} but has "
+                          f"num_labels={labels}; expected an AutoModelForSequenceClassification with a label per head "
+                          f"(one, without reward_heads), as algorithm=reward_model exports")
     if config.get("pad_token_id") is None:
         raise ConfigError(f"{key}={directory!r}: config.json sets no pad_token_id, so the model cannot find the "
                           f"last token of a padded row; set it to the tokenizer's pad id")
+    return list(heads)
+
+
+def same_heads(keyed_heads: list[tuple[str, list[str]]]) -> list[str]:
+    """The heads every model of an ensemble has (their weighted sums are compared), each model named
+    by its key and directory; else a ConfigError."""
+    (first, heads), *others = keyed_heads
+    for model, other in others:
+        if other != heads:
+            raise ConfigError(f"{model} has the heads {other}, {first} has {heads}: an ensemble's reward models "
+                              f"must have the same heads")
+    return heads
+
+
+def head_weight_vector(head_weights, heads: list[str]) -> list[float]:
+    """`head_weights` ({head: weight}) as one weight per head, in the model's order: a head not
+    named weighs 0; null: every head weighs 1. A name the model lacks is a ConfigError."""
+    if head_weights is None:
+        return [1.0] * len(heads)
+    key = f"{KEY}.head_weights"
+    if not hasattr(head_weights, "items"):
+        raise ConfigError(f"{key}={head_weights!r} must be a mapping head -> weight, e.g. {{{heads[0]}: 1.0}}, or null")
+    unknown = [name for name in head_weights if name not in heads]
+    if unknown:
+        raise ConfigError(f"{key} names {unknown}, not heads of the reward model, whose heads are {heads}")
+    for name, weight in head_weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"{key}.{name}={weight!r} must be a finite number")
+    return [float(head_weights.get(name, 0.0)) for name in heads]
+
+
+def label_count(config: dict) -> int:
+    # a config without id2label has transformers' default of two labels
+    return config.get("num_labels", len(config.get("id2label") or {}) or 2)
 
 
 def one_label_model_config(directory, key: str, head: str, what: str, exported_by: str) -> dict:
     """config.json of `directory` (the value of config key `key`), refused unless it is a Hugging
     Face model whose architecture ends in `head` (e.g. ForSequenceClassification) with one label:
     `what` (a reward model, a PRM) as the hf_model/ of an `exported_by` run writes it."""
+    config = model_config(directory, key, head, what, exported_by)
+    if label_count(config) != 1:
+        raise ConfigError(f"{key}={directory!r} is not {what}: expected an AutoModel{head} model with one label "
+                          f"(num_labels=1), found num_labels={label_count(config)}")
+    return config
+
+
+def model_config(directory, key: str, head: str, what: str, exported_by: str) -> dict:
+    """config.json of `directory` (the value of config key `key`), refused unless it is a Hugging
+    Face model whose architecture ends in `head` (e.g. ForSequenceClassification): `what` (a reward
+    model, a PRM) as the hf_model/ of an `exported_by` run writes it."""
     if not isinstance(directory, str) or not directory:
         raise ConfigError(f"{key}={directory!r} must be {what} directory (a path)")
     config_file = Path(directory).expanduser() / "config.json"
@@ -182,11 +251,9 @@ def one_label_model_config(directory, key: str, head: str, what: str, exported_b
     except (OSError, ValueError) as err:
         raise ConfigError(f"{key}={directory!r}: {config_file} is not readable JSON: {err}") from None
     architectures = config.get("architectures") or []
-    # a config without id2label has transformers' default of two labels
-    num_labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
-    if not any(a.endswith(head) for a in architectures) or num_labels != 1:
-        raise ConfigError(f"{key}={directory!r} is not {what}: expected an AutoModel{head} model with one label "
-                          f"(num_labels=1), found architectures={architectures}, num_labels={num_labels}")
+    if not any(a.endswith(head) for a in architectures):
+        raise ConfigError(f"{key}={directory!r} is not {what}: expected an AutoModel{head} model, found "
+                          f"architectures={architectures}, num_labels={label_count(config)}")
     return config
 
 

@@ -1,4 +1,4 @@
-"""Lightning callbacks of our own."""
+"""Lightning callbacks of our own, and the list a run trains with (`build_callbacks`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from rich.text import Text
 
 from posttrain.errors import ConfigError
 from posttrain.run.history import MetricsHistory
+from posttrain.run.user_components import build_user_components
 
 
 class StopAtStep(Callback):
@@ -203,6 +204,7 @@ class _BarAndMetrics(Progress):
 
 
 def build_callbacks(cfg: DictConfig, output_dir: Path) -> list:
+    """The callbacks `callbacks.*` configures, then the user's own (`callbacks.extra`), in order."""
     callbacks = [
         ModelCheckpoint(
             dirpath=str(output_dir / "checkpoints"), filename="step{step:06d}", auto_insert_metric_name=False,
@@ -218,7 +220,7 @@ def build_callbacks(cfg: DictConfig, output_dir: Path) -> list:
         raise ConfigError(f"callbacks.progress_bar={cfg.callbacks.progress_bar!r} is not one of ['rich', 'none']")
     if cfg.callbacks.progress_bar == "rich":
         callbacks.append(StepProgressBar())
-    if cfg.logger.backend != "none":
+    if cfg.logger.backend != "none" or cfg.logger.get("extra"):  # it refuses a trainer without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     callbacks.append(MetricsHistory(output_dir))  # <run dir>/metrics.jsonl, whatever the logger (posttrain-report)
-    return callbacks
+    return callbacks + build_user_components(cfg, "callbacks.extra")

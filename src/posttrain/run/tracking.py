@@ -1,4 +1,5 @@
-"""Experiment tracking: the job's logger (W&B, CSV or none), its run's name, group, tags, id and mode.
+"""Experiment tracking: the job's logger (W&B, CSV or none, and the user's own beside it), its
+run's name, group, tags, id and mode.
 
 One W&B run per job: named from the Hydra choices (`run_name`), tagged `group:option` with
 them, `job_type` the algorithm, grouped by sweep (`wandb_group`), its config the resolved
@@ -16,15 +17,27 @@ from omegaconf import DictConfig, OmegaConf
 from posttrain.errors import ConfigError
 from posttrain.run.boundary import hydra_choices
 from posttrain.run.console import wandb_settings
+from posttrain.run.user_components import build_user_components
 
 # Choices that say where and how a job runs, not what it trains: not made into tags.
 UNTAGGED_GROUPS = ("paths", "logger", "callbacks")
 
 
 def build_logger(cfg: DictConfig, output_dir: Path, run_name: str):
+    """What the Trainer's `logger` gets: the backend's logger and the user's own (`logger.extra`),
+    a list when there are several; False for none at all."""
+    backend = backend_logger(cfg, output_dir, run_name)
+    loggers = ([backend] if backend is not None else []) + build_user_components(cfg, "logger.extra")
+    if not loggers:
+        return False
+    return loggers[0] if len(loggers) == 1 else loggers
+
+
+def backend_logger(cfg: DictConfig, output_dir: Path, run_name: str):
+    """The logger of `logger.backend`; None for `none`."""
     backend = cfg.logger.backend
     if backend == "none":
-        return False
+        return None
     if backend == "csv":
         # start-up: the command line is parsed before this loads
         from lightning.pytorch.loggers import CSVLogger
@@ -57,8 +70,9 @@ def finish_logger(logger, failed: bool) -> None:
     # start-up: the command line is parsed before this loads
     from lightning.pytorch.loggers import WandbLogger
 
-    if isinstance(logger, WandbLogger) and logger._experiment is not None:  # None: never started
-        logger._experiment.finish(exit_code=1 if failed else 0)  # a failed job's run is marked failed
+    for one in logger if isinstance(logger, list) else [logger]:
+        if isinstance(one, WandbLogger) and one._experiment is not None:  # None: never started
+            one._experiment.finish(exit_code=1 if failed else 0)  # a failed job's run is marked failed
 
 
 def wandb_run_id(output_dir: Path) -> str:
