@@ -16,6 +16,7 @@ from posttrain.core.statistics import (
     paired_difference,
     regularized_incomplete_beta,
     sample_std,
+    simultaneous_level,
     student_t_cdf,
     student_t_quantile,
     verdict,
@@ -164,3 +165,27 @@ def test_paired_covers_the_true_difference_and_is_narrower_under_shared_noise():
     assert 0.93 <= share <= 0.97
     narrower = sum(p.half_width < w.half_width for p, w in pairs) / TRIALS
     assert narrower > 0.9
+
+
+def test_simultaneous_level_is_bonferroni():
+    assert simultaneous_level(0.95, 1) == pytest.approx(0.95)
+    assert simultaneous_level(0.95, 4) == pytest.approx(0.9875)
+    with pytest.raises(ValueError, match="at least one comparison"):
+        simultaneous_level(0.95, 0)
+
+
+def test_simultaneous_intervals_hold_for_every_arm_together():
+    """Four arms that do not differ from the baseline, 3 seeds each (paired): judged at 95% one by
+    one, some arm gets a verdict far more often than 5% of the time; at the Bonferroni level, at
+    most about 5%."""
+    rng = random.Random(7)
+    trials, arms, seeds = 2000, 4, (0, 1, 2)
+    spurious = {"one by one": 0, "together": 0}
+    for _ in range(trials):
+        baseline = {s: rng.gauss(0, 1) for s in seeds}
+        others = [{s: rng.gauss(0, 1) for s in seeds} for _ in range(arms)]
+        for name, level in (("one by one", 0.95), ("together", simultaneous_level(0.95, arms))):
+            verdicts = [verdict(arm_difference(arm, baseline, level)) for arm in others]
+            spurious[name] += any(v != WITHIN_NOISE for v in verdicts)
+    assert spurious["one by one"] / trials > 0.12
+    assert spurious["together"] / trials < 0.065

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -269,3 +270,21 @@ def test_dynamic_sampling_counts_the_rounds_it_dropped(make_config, sft_start, t
         assert samples[batch] - previous == 4 * 4 * (1 + rounds[batch]), batch  # 4 prompts x 4 samples a round
         previous = samples[batch]
     assert history["rollout/tokens_seen"][max(samples)] > 16 * 3 * min(history["rollout/response_len_mean"].values())
+
+
+def test_simultaneous_intervals_widen_with_the_number_of_arms(tmp_path):
+    """Three arms: judged one by one at 95%, dapo's paired differences 4, 5, 7 points (mean 5.33,
+    s 1.53, t = 6.05 on 2 df) beat the baseline (t_.975 = 4.30); with --simultaneous each of the 2
+    intervals is at 97.5% (t = 6.21) and the same difference is within noise."""
+    sweep = two_arm_sweep(tmp_path / "sweep", GRPO, [0.54, 0.60, 0.67])
+    for seed, accuracy in enumerate(GRPO):
+        job(sweep, 6 + seed, "gspo", seed, accuracy, length=5.0)
+    one_by_one = write_report(sweep, out_dir=tmp_path / "a").read_text()
+    assert verdict_rows(one_by_one, "eval/accuracy")[1].endswith("| **better** |")
+    assert "about 2 x 5% would still get a verdict; `--simultaneous`" in one_by_one
+    together = write_report(sweep, out_dir=tmp_path / "b", simultaneous=True).read_text()
+    assert "difference to baseline [97.5% CI]" in together
+    dapo_row = verdict_rows(together, "eval/accuracy")[1]
+    half = student_t_quantile(1 - 0.025 / 2, 2) * statistics.stdev([4, 5, 7]) / math.sqrt(3)
+    assert f"| +5.3 [{16 / 3 - half:+.1f}, {16 / 3 + half:+.1f}] | paired, 3 seeds | within noise |" in dapo_row
+    assert 16 / 3 - half < 0  # the interval now holds 0

@@ -195,6 +195,17 @@ def arm_difference(arm: dict, baseline: dict, level: float = 0.95) -> Interval:
     return welch_difference(list(arm.values()), list(baseline.values()), level)
 
 
+def simultaneous_level(level: float, comparisons: int) -> float:
+    """The level each of `comparisons` intervals needs so that all of them hold together with
+    probability at least `level` (Bonferroni: 1 - (1 - level) / m). With m arms judged against one
+    baseline at 95% each, about m x 5% of the arms that do not differ would still get a verdict."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"confidence level must be in (0, 1), got {level}")
+    if comparisons < 1:
+        raise ValueError(f"simultaneous_level: needs at least one comparison, got {comparisons}")
+    return 1.0 - (1.0 - level) / comparisons
+
+
 def verdict(difference: Interval, higher_is_better: bool = True) -> str:
     """'better' or 'worse' when the difference's interval excludes 0 (strictly), on the good or
     the bad side by the metric's direction; else 'within noise'."""

@@ -437,8 +437,9 @@ def method_text(difference: statistics.Interval) -> str:
 
 
 def verdict_table(groups: dict[tuple, list[dict]], labels: list[str], baseline: int, key: str, scale: float,
-                  fmt: str, higher_is_better: bool) -> list[list[str]]:
-    """One row per arm that has the metric: #, arm, n, mean [CI], difference [CI], interval, verdict."""
+                  fmt: str, higher_is_better: bool, difference_level: float = CONFIDENCE_LEVEL) -> list[list[str]]:
+    """One row per arm that has the metric: #, arm, n, mean [CI], difference [CI], interval, verdict.
+    `difference_level`: the level of the differences' intervals (simultaneous_level with --simultaneous)."""
     arms = [seed_values(members, key, scale) for members in groups.values()]
     reference = arms[baseline]
     body = []
@@ -452,7 +453,7 @@ def verdict_table(groups: dict[tuple, list[dict]], labels: list[str], baseline: 
         elif not reference:
             row += ["", "", "baseline lacks it"]
         else:
-            difference = statistics.arm_difference(values, reference, CONFIDENCE_LEVEL)
+            difference = statistics.arm_difference(values, reference, difference_level)
             judged = statistics.verdict(difference, higher_is_better)
             row += [interval_text(difference, "+" + fmt), method_text(difference),
                     judged if judged == "within noise" else f"**{judged}**"]
@@ -470,12 +471,26 @@ def noise_floor_text(values: dict[str, float], fmt: str) -> str:
             f"{len(values)} seeds; its mean is known to ± {format(half, fmt)} (95%).")
 
 
-def verdict_section(groups: dict[tuple, list[dict]], labels: list[str], baseline: int) -> list[str]:
+def verdict_section(groups: dict[tuple, list[dict]], labels: list[str], baseline: int,
+                    simultaneous: bool = False) -> list[str]:
     """The report's verdicts: per judged metric some run has, the noise floor and a table of
-    every arm against the baseline; [] with a single arm."""
+    every arm against the baseline; [] with a single arm. `simultaneous`: the differences'
+    intervals hold for all the arms together (Bonferroni over the len(groups) - 1 comparisons)."""
     if len(groups) < 2:
         return []
     runs = [run for members in groups.values() for run in members]
+    comparisons = len(groups) - 1
+    level = statistics.simultaneous_level(CONFIDENCE_LEVEL, comparisons) if simultaneous else CONFIDENCE_LEVEL
+    difference_header = f"difference to baseline [{100 * level:.3g}% CI]"
+    if simultaneous:
+        family = (f"With --simultaneous each difference's interval is at {100 * level:.3g}% (Bonferroni over the "
+                  f"{comparisons} arms), so that all {comparisons} hold together at 95%.")
+    elif comparisons > 1:
+        family = (f"Each difference's interval is at 95% on its own: among {comparisons} arms that do not differ "
+                  f"from the baseline, about {comparisons} x 5% would still get a verdict; `--simultaneous` "
+                  f"makes the {comparisons} intervals hold together (Bonferroni).")
+    else:
+        family = ""
     lines = [
         f"## Verdicts against arm {baseline}: {labels[baseline]}",
         "",
@@ -486,6 +501,7 @@ def verdict_section(groups: dict[tuple, list[dict]], labels: list[str], baseline
          "difference's interval excludes 0 on the metric's good / bad side; within noise: it contains 0. "
          "Another baseline: `--baseline <arm label or #>`. How to read it: docs/verdicts.md."),
         "",
+        *([family, ""] if family else []),
     ]
     for title, key, scale, fmt, higher_is_better in VERDICT_METRICS:
         if not any(key in run for run in runs):
@@ -497,8 +513,8 @@ def verdict_section(groups: dict[tuple, list[dict]], labels: list[str], baseline
             "",
             noise_floor_text(baseline_values, fmt.lstrip("+")),
             "",
-            *markdown_table(["#", "arm", "n", "mean [95% CI]", "difference to baseline [95% CI]", "interval",
-                             "verdict"], verdict_table(groups, labels, baseline, key, scale, fmt, higher_is_better)),
+            *markdown_table(["#", "arm", "n", "mean [95% CI]", difference_header, "interval", "verdict"],
+                            verdict_table(groups, labels, baseline, key, scale, fmt, higher_is_better, level)),
             "",
         ]
     return lines
@@ -609,7 +625,7 @@ def calibration_section(groups: dict[tuple, list[dict]], labels: list[str], by: 
 
 
 def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None = None, smooth: int = 1,
-                 baseline: str | None = None, x_axis: str = "batch") -> Path:
+                 baseline: str | None = None, x_axis: str = "batch", simultaneous: bool = False) -> Path:
     """Write <out_dir>/report.md and the PNGs (out_dir: <root>/report); returns report.md.
     `baseline`: the arm the others are judged against (pick_baseline); `x_axis`: a key of X_AXES."""
     root = Path(root)
@@ -662,7 +678,7 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
             "(rollout/mismatch/*). A choice with an invalid run is marked invalid; do not compare it as it is.",
             "",
         ]
-    lines += verdict_section(groups, labels, baseline_index)
+    lines += verdict_section(groups, labels, baseline_index, simultaneous)
     lines += calibration_section(groups, labels, by, out_dir)
     lines += [
         "## Curves",
@@ -729,6 +745,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", metavar="ARM",
                         help="the arm the others are judged against: its label as the report prints it "
                              "(algorithm=grpo), its values (grpo) or its # (default: 0, the first)")
+    parser.add_argument("--simultaneous", action="store_true",
+                        help="widen the differences' intervals so that all arms' hold together at 95%% "
+                             "(Bonferroni over the arms judged against the baseline)")
     parser.add_argument("--x", dest="x_axis", choices=list(X_AXES), default="batch",
                         help="the curves' x axis: rollout batches, sampled completions, generated tokens or "
                              "training wall seconds (default: batch)")
@@ -746,7 +765,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.root is not None:
             if not args.root.is_dir():
                 raise ReportError(f"{args.root} is not a directory")
-            report = write_report(args.root, args.by, args.out, max(1, args.smooth), args.baseline, args.x_axis)
+            report = write_report(args.root, args.by, args.out, max(1, args.smooth), args.baseline, args.x_axis,
+                                  args.simultaneous)
             print(f"wrote {report} and its plots in {report.parent}")
         if args.compare:
             print(f"wrote {compare_runs(args.compare, args.out if args.root is None else None, args.at)}")
