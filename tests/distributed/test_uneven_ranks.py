@@ -10,6 +10,7 @@ export a model its Hugging Face class loads; and, for online RL, end with the we
 process replaying the union of the ranks' minibatches."""
 
 import copy
+import json
 import os
 import time
 
@@ -110,6 +111,16 @@ def sft_config(out_dir, *trainer):
     return cfg
 
 
+HEADS = ("correct", "concise")
+
+
+def write_head_pairs(path):
+    """write_pairs' pairs, each naming the reward-model head it trains, in turn."""
+    rows = [json.loads(line) for line in write_pairs(path).read_text().splitlines()]
+    path.write_text("".join(json.dumps({**row, "head": HEADS[i % len(HEADS)]}) + "\n" for i, row in enumerate(rows)))
+    return path
+
+
 def case_configs(kind: str, trainer: tuple[str, ...], out) -> list[dict]:
     """Each rank's config of a case (each rank its own output and cache directories)."""
     held_out = (f"eval.num_prompts={HELD_OUT_PROMPTS}", "eval.batch_size=2")
@@ -124,6 +135,9 @@ def case_configs(kind: str, trainer: tuple[str, ...], out) -> list[dict]:
             cfg = sft_config(rank_dir, *trainer)
         elif kind == "prm":  # from a random policy (model.init_from=null): the rows' labels do not matter here
             cfg = prm_config(rank_dir, "null", 2, *trainer)
+        elif kind == "reward_model_heads":  # two heads, the pairs alternating between them
+            cfg = preference_config(rank_dir, write_head_pairs(out / "head_pairs.jsonl"), "reward_model", 2, *trainer,
+                                    *held_out, f"algorithm.heads=[{','.join(HEADS)}]")
         else:  # dpo, reward_model: validation pairs in batches of 2
             cfg = preference_config(rank_dir, write_pairs(out / "pairs.jsonl"), kind, 2, *trainer, *held_out)
         cfgs.append(OmegaConf.to_container(cfg))
@@ -132,9 +146,10 @@ def case_configs(kind: str, trainer: tuple[str, ...], out) -> list[dict]:
 
 # what each case counts once over the ranks, and the Hugging Face class its export loads with
 HELD_OUT = {"grpo": HELD_OUT_PROMPTS, "grpo_async": HELD_OUT_PROMPTS, "ppo": HELD_OUT_PROMPTS, "sft": HELD_OUT_PROMPTS, "dpo": HELD_OUT_PROMPTS,
-            "reward_model": VALIDATION_PAIRS, "prm": VALIDATION_PROMPTS}
-EXPORT_CLASS = {"reward_model": AutoModelForSequenceClassification, "prm": AutoModelForTokenClassification}
-KINDS = ("grpo", "grpo_async", "ppo", "dpo", "reward_model", "prm", "sft")
+            "reward_model": VALIDATION_PAIRS, "reward_model_heads": VALIDATION_PAIRS, "prm": VALIDATION_PROMPTS}
+EXPORT_CLASS = {"reward_model": AutoModelForSequenceClassification,
+                "reward_model_heads": AutoModelForSequenceClassification, "prm": AutoModelForTokenClassification}
+KINDS = ("grpo", "grpo_async", "ppo", "dpo", "reward_model", "reward_model_heads", "prm", "sft")
 TRAINERS = {"ddp": DDP, "fsdp": ("trainer=fsdp",)}
 
 
@@ -177,7 +192,7 @@ def held_out_counted(module, kind: str) -> float:
     """The held-out items this rank counted at its last evaluation."""
     if kind == "prm":
         return module._eval_sums[3].item()  # responses
-    if kind == "reward_model":
+    if kind.startswith("reward_model"):
         return module._eval_sums[:, 0].sum().item()  # pairs, over the heads
     return module.counted_prompts
 
@@ -259,6 +274,11 @@ def test_each_kind_of_module_finishes_counts_each_held_out_item_once_and_exports
     assert ranks[0]["summary"]["global_step"] == ranks[1]["summary"]["global_step"] > 0
     # each held-out item scored by one rank: the odd count splits 3 + 2, none counted twice
     assert sorted(rank["held_out"] for rank in ranks) == [HELD_OUT[kind] // 2, HELD_OUT[kind] - HELD_OUT[kind] // 2]
+    heads = [k for k in ranks[0]["summary"] if k.startswith("eval/heads/")]  # a multi-head reward model's
+    if kind == "reward_model_heads":
+        assert sorted(heads) == sorted(f"eval/heads/{head}/pair_accuracy" for head in HEADS)
+    for name in heads:  # each head's held-out figures, reduced over the ranks
+        assert ranks[0]["summary"][name] == ranks[1]["summary"][name], name
     if "eval/accuracy" in ranks[0]["summary"]:  # greedy held-out eval: its calibration is reduced over the ranks
         for name in ("eval/ece", "eval/confidence", "eval/reliability/bin00/share"):
             assert ranks[0]["summary"][name] == ranks[1]["summary"][name], name
