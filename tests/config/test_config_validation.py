@@ -252,6 +252,8 @@ def test_a_cuda_accelerator_without_cuda_is_refused():
     (("algorithm=sft", "+algorithm.group_size=4"), "algorithm: unknown key(s) ['group_size']"),
     (("algorithm=dapo", "reward.components.overlong.cache_len=20"), "reward.components.overlong"),
     (("algorithm=grpo", "+reward.components.mine._target_=no_such_package.fn"), "cannot be imported"),
+    (("algorithm=grpo", "algorithm._target_=no_such_package.Module"),
+     "algorithm._target_='no_such_package.Module' cannot be imported"),
     (("algorithm=grpo", "data_curriculum=dynamic_sampling", "+data_curriculum.pool_size=3"), "['pool_size']"),
     (("algorithm=grpo", "kl_estimator=k1", "+kl_estimator.log_ratio_clamp=5"), "log_ratio_clamp"),
 ])

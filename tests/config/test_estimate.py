@@ -128,7 +128,7 @@ def test_a_pretrained_model_is_estimated_from_its_config_without_reading_its_wei
 
 
 def test_the_command_prints_the_tables_and_json(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(estimate_module, "measure_cpu", lambda threads: {"name": "stub", "flops": 1e9,
+    monkeypatch.setattr(estimate_module, "measure_cpu", lambda threads, dtype: {"name": "stub", "flops": 1e9,
                                                                          "bandwidth": 1e9})
     estimate_module.main([*GRPO, f"paths.cache_dir={tmp_path}"])
     out = capsys.readouterr().out
@@ -145,14 +145,18 @@ def test_the_command_prints_the_tables_and_json(tmp_path, capsys, monkeypatch):
 def test_this_cpu_is_measured_once_and_cached(tmp_path, monkeypatch):
     calls = []
 
-    def measured(threads):
-        calls.append(threads)
-        return {"name": "stub", "flops": 2e9, "bandwidth": 1e9}
+    def measured(threads, dtype):
+        calls.append(dtype)
+        return {"name": "stub", "flops": 2e9 if dtype == torch.float32 else 4e9, "bandwidth": 1e9}
 
     monkeypatch.setattr(estimate_module, "measure_cpu", measured)
     first = estimate_module.cpu_speed(tmp_path)
     second = estimate_module.cpu_speed(tmp_path)
-    assert first == second and len(calls) == 1
+    assert first == second and calls == [torch.float32]
+    # a bf16 run is bounded by the bf16 matmul speed, measured once too
+    assert estimate_module.cpu_speed(tmp_path, torch.bfloat16)["flops"] == 4e9
+    estimate_module.cpu_speed(tmp_path, torch.bfloat16)
+    assert calls == [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize(("arguments", "message"), [

@@ -7,7 +7,6 @@ rule passed, so they never see a value of the wrong type.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from types import SimpleNamespace
 
@@ -17,6 +16,7 @@ from posttrain.algorithms import rules
 from posttrain.data.curriculum import CURRICULA
 from posttrain.errors import ConfigError
 from posttrain.rewards import build_reward
+from posttrain.run.user_components import import_target
 
 # Arguments `train.build_module` passes to the algorithm's module itself, and algorithm keys
 # it does not pass (train.py reads them).
@@ -26,11 +26,6 @@ NOT_MODULE_ARGUMENTS = ("_target_", "name", "kind", "warm_start")
 # The policy loss options, as OnlineRLModule.__init__ gathers them into `loss_options`.
 LOSS_OPTION_KEYS = ("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp", "seq_log_ratio_clamp",
                     "ratio_level", "tau_pos", "tau_neg", "kimi_tau")
-
-
-def import_target(path: str):
-    module_path, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module_path), name)
 
 
 def unknown_arguments(key: str, constructor, given: list[str], supplied: tuple[str, ...] = ()) -> list[str]:
@@ -47,10 +42,10 @@ def unknown_arguments(key: str, constructor, given: list[str], supplied: tuple[s
 
 def algorithm_problems(cfg: DictConfig) -> list[str]:
     target = cfg.algorithm.get("_target_")
-    try:
-        module_class = import_target(target)
-    except Exception as err:  # a missing module or name, or the module failing on import
-        return [f"algorithm._target_={target!r} cannot be imported: {type(err).__name__}: {err}"]
+    try:  # found as every user component is (run/user_components.py: the launch directory too)
+        module_class = import_target("algorithm", target)
+    except ConfigError as err:  # a missing module or name, or the module failing on import
+        return [str(err)]
     given = [k for k in cfg.algorithm if k not in NOT_MODULE_ARGUMENTS]
     problems = unknown_arguments("algorithm", module_class, given, SUPPLIED_ARGUMENTS)
     params = inspect.signature(module_class).parameters
@@ -116,6 +111,6 @@ def dry_run_problems(cfg: DictConfig) -> list[str]:
     # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
     from posttrain.algorithms.online import OnlineRLModule
 
-    if not issubclass(import_target(cfg.algorithm._target_), OnlineRLModule):
+    if not issubclass(import_target("algorithm", cfg.algorithm._target_), OnlineRLModule):
         return problems  # another online module: its own checks apply
     return core_option_problems(cfg) + reward_problems(cfg) + curriculum_problems(cfg)

@@ -427,23 +427,27 @@ def seconds_by_stage(cfg, flops: dict[str, float], roles: list[Role], shape: Dec
     return seconds
 
 
-def cpu_speed(cache_dir: Path) -> dict:
-    """This CPU's float32 matmul FLOP/s and copy bandwidth at torch's thread count, measured once
-    (about a second) and cached in `cache_dir`/estimate/, keyed by processor, threads and torch."""
+def cpu_speed(cache_dir: Path, dtype: torch.dtype = torch.float32) -> dict:
+    """This CPU's matmul FLOP/s in `dtype` (the run's compute dtype: a CPU with bf16 instructions
+    multiplies bf16 faster than fp32, and a bound from the fp32 speed would not bound a bf16 run)
+    and copy bandwidth at torch's thread count, measured once (about a second) and cached in
+    `cache_dir`/estimate/, keyed by processor, threads, dtype and torch. Measure it on an idle
+    machine: a speed measured beside other jobs is too low, and the bound it gives too high."""
     threads = torch.get_num_threads()
-    key = f"{processor_name()}|{threads}|{torch.__version__}"
+    key = f"{processor_name()}|{threads}|{dtype}|{torch.__version__}"
     cache = Path(cache_dir) / "estimate" / "cpu_speed.json"
     cached = json.loads(cache.read_text()) if cache.is_file() else {}
     if key not in cached:
-        cached[key] = measure_cpu(threads)
+        cached[key] = measure_cpu(threads, dtype)
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(cache, cached)
     return cached[key]
 
 
-def measure_cpu(threads: int, size: int = 1024, copy_elements: int = 1 << 25) -> dict:
-    """The best of a few timed fp32 matmuls and tensor copies."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def measure_cpu(threads: int, dtype: torch.dtype = torch.float32, size: int = 1024,
+                copy_elements: int = 1 << 25) -> dict:
+    """The best of a few timed `dtype` matmuls and fp32 tensor copies."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     src = torch.ones(copy_elements)
     dst = torch.empty_like(src)
     a @ b, dst.copy_(src)  # warm-up
@@ -455,7 +459,7 @@ def measure_cpu(threads: int, size: int = 1024, copy_elements: int = 1 << 25) ->
         started = time.perf_counter()
         dst.copy_(src)
         copy = min(copy, time.perf_counter() - started)
-    return {"name": f"this CPU ({processor_name()}, {threads} threads, measured fp32)",
+    return {"name": f"this CPU ({processor_name()}, {threads} threads, measured {str(dtype).removeprefix('torch.')})",
             "flops": 2 * size**3 / matmul, "bandwidth": 2 * 4 * copy_elements / copy}
 
 
@@ -476,7 +480,9 @@ def device_speeds(cfg, device: str | None) -> dict[str, dict]:
         raise ConfigError(f"--device={device!r} is not a device the estimate knows; use {CPU_DEVICE} or one of "
                           f"{', '.join(GPU_SPECS)}")
     names = [device] if device is not None else [CPU_DEVICE, *GPU_SPECS]
-    return {name: cpu_speed(Path(cfg.paths.cache_dir)) if name == CPU_DEVICE else GPU_SPECS[name] for name in names}
+    dtype = torch.bfloat16 if activation_dtype_bytes(cfg) == 2 else torch.float32  # the matmuls' dtype
+    return {name: cpu_speed(Path(cfg.paths.cache_dir), dtype) if name == CPU_DEVICE else GPU_SPECS[name]
+            for name in names}
 
 
 # --- the estimate ----------------------------------------------------------------------------
