@@ -16,12 +16,12 @@ rank its own disjoint share, and its position is what a resume restores.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 
+from posttrain.data.sources import json_lines
 from posttrain.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -69,18 +69,11 @@ def read_text_lines(path: Path) -> list[str]:
 
 def read_jsonl_texts(path: Path) -> list[str]:
     documents = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number} ({KEY}) is not valid JSON: {err.msg} at column {err.colno}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(TEXT_FIELD), str):
-                raise DataError(f"{path}:{number} ({KEY}) needs a string field {TEXT_FIELD!r}")
-            if record[TEXT_FIELD].strip():
-                documents.append(record[TEXT_FIELD])
+    for where, _, record in json_lines(path, KEY):
+        if not isinstance(record, dict) or not isinstance(record.get(TEXT_FIELD), str):
+            raise DataError(f"{where} needs a string field {TEXT_FIELD!r}")
+        if record[TEXT_FIELD].strip():
+            documents.append(record[TEXT_FIELD])
     if not documents:
         raise DataError(f"{KEY}={str(path)!r} holds no text")
     return documents

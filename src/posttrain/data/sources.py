@@ -9,6 +9,7 @@ data/word_problems.py), `jsonl` (your files), and the datasets-backed `gsm8k`, `
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from posttrain.data import arithmetic
@@ -158,17 +159,16 @@ def decode_line(raw: bytes, where: str, line_offset: int) -> str:
         ) from None
 
 
-def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = None) -> list[Example]:
-    """The examples of a JSON-lines file; ``line_numbers``, if given, receives each one's line."""
-    if not path.is_file():
-        raise DataError(f"{key}={str(path)!r}: no such file")
-    examples = []
+def json_lines(path: Path, key: str | None = None) -> Iterator[tuple[str, int, object]]:
+    """Each non-blank line of a UTF-8 JSON-lines file, parsed: (where, line number, value), `where`
+    being `<path>:<line> (<key>)` (without a key: `<path>:<line>`), for the caller's own messages.
+    Undecodable bytes and invalid JSON are DataErrors naming the line."""
     offset = 0
     # Bytes, decoded line by line: a bad byte is then reported with its line, not as a bare
     # UnicodeDecodeError from deep inside the file iterator.
     with path.open("rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
-            where = f"{path}:{line_number} ({key})"
+            where = f"{path}:{line_number}" + (f" ({key})" if key else "")
             line = decode_line(raw, where, offset)
             offset += len(raw)
             if line_number == 1:
@@ -179,22 +179,31 @@ def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = N
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{where} is not valid JSON: {err.msg} at column {err.colno}") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where} must be a JSON object with 'prompt' and 'response', got {type(record).__name__}")
-            messages = None
-            if isinstance(record.get("prompt"), list):  # a chat: rendered with the model's chat template
-                messages = check_messages(record["prompt"], where)
-                record["prompt"] = last_user_content(messages)
-            for field in ("prompt", "response"):
-                if not isinstance(record.get(field), str):
-                    raise DataError(f"{where} needs a string field {field!r}; found keys {sorted(record)}")
-            answer = record.get("answer")
-            if answer is not None and not isinstance(answer, (str, int)):
-                raise DataError(f"{where}: 'answer' must be a string or integer")
-            examples.append(Example(record["prompt"], record["response"], None if answer is None else str(answer),
-                                    messages=messages))
-            if line_numbers is not None:
-                line_numbers.append(line_number)
+            yield where, line_number, record
+
+
+def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = None) -> list[Example]:
+    """The examples of a JSON-lines file; ``line_numbers``, if given, receives each one's line."""
+    if not path.is_file():
+        raise DataError(f"{key}={str(path)!r}: no such file")
+    examples = []
+    for where, line_number, record in json_lines(path, key):
+        if not isinstance(record, dict):
+            raise DataError(f"{where} must be a JSON object with 'prompt' and 'response', got {type(record).__name__}")
+        messages = None
+        if isinstance(record.get("prompt"), list):  # a chat: rendered with the model's chat template
+            messages = check_messages(record["prompt"], where)
+            record["prompt"] = last_user_content(messages)
+        for field in ("prompt", "response"):
+            if not isinstance(record.get(field), str):
+                raise DataError(f"{where} needs a string field {field!r}; found keys {sorted(record)}")
+        answer = record.get("answer")
+        if answer is not None and not isinstance(answer, (str, int)):
+            raise DataError(f"{where}: 'answer' must be a string or integer")
+        examples.append(Example(record["prompt"], record["response"], None if answer is None else str(answer),
+                                messages=messages))
+        if line_numbers is not None:
+            line_numbers.append(line_number)
     if not examples:
         raise DataError(f"{key}={str(path)!r} holds no examples")
     return examples

@@ -14,13 +14,13 @@ column says which.
 from __future__ import annotations
 
 import html
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from posttrain.data.sources import json_lines
 from posttrain.errors import DataError
 
 PANEL_DIR = "panel"
@@ -104,15 +104,9 @@ def read_panel_file(path: Path) -> dict[str, dict]:
     """A panel file's lines by prompt; a line that is not a JSON object with a prompt and a
     response is a DataError naming file:line."""
     answers = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number} is not valid JSON: {err.msg} at column {err.colno}") from None
+    for where, _, row in json_lines(path):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "response" not in row:
-            raise DataError(f"{path}:{number}: a panel line is a JSON object with 'prompt' and 'response' "
+            raise DataError(f"{where}: a panel line is a JSON object with 'prompt' and 'response' "
                             f"(written by a run at its held-out evaluation)")
         answers[row["prompt"]] = row
     return answers
