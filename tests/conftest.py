@@ -74,6 +74,8 @@ def module_from_config(cfg):
     module = build_module(cfg, policy, tokenizer, source)
     module.setup("fit")
     module.manual_backward = lambda loss: loss.backward()
+    if hasattr(module, "learner"):  # online RL: the learner and its parts backward through these steppers
+        module.learner.steppers.backward = module.manual_backward
     return module
 
 

@@ -32,7 +32,7 @@ class ScriptedSampler:
         self.started = 0
         self.calls: list[list[tuple]] = []
 
-    def __call__(self, prompt_ids, prompt_mask, params, generator=None):
+    def generate(self, prompt_ids, prompt_mask, params, generator=None):
         rows = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
         self.calls.append(rows)
         width = params.max_new_tokens
@@ -60,13 +60,13 @@ def partial_module(make_config, *extra):
                       f"rollout.max_new_tokens={MAX_NEW}", "rollout.partial_budget=2", *extra)
     module = module_from_config(cfg)
     sampler = ScriptedSampler(module.tokenizer.eos_token_id, module.tokenizer.pad_token_id)
-    module.collector.generate = sampler
+    module.rollouts.collector.sampler = sampler
     return module, sampler
 
 
 def test_partial_rollouts_continue_each_response_where_it_stopped(make_config):
     module, sampler = partial_module(make_config)
-    collector, eos = module.collector, module.tokenizer.eos_token_id
+    collector, eos = module.rollouts.collector, module.tokenizer.eos_token_id
     batches = []
     for index in range(3):
         collector.version = index  # as the trainer's updates would advance it
@@ -100,7 +100,7 @@ def test_partial_rollouts_continue_each_response_where_it_stopped(make_config):
 
 def test_a_continued_response_stops_at_a_loop_that_spans_segments(make_config):
     module, _ = partial_module(make_config, "rollout.repetition.ngram=1", "rollout.repetition.window=4")
-    collector = module.collector
+    collector = module.rollouts.collector
     exp = collector.collect(0).experience
     loop_rows = [row for row in range(len(exp)) if int(exp.response_ids[row, 0]) == 15]
     assert loop_rows, "the looping plan was not drawn"
@@ -113,19 +113,19 @@ def test_a_continued_response_stops_at_a_loop_that_spans_segments(make_config):
 
 def test_partial_rollouts_keep_their_state_through_a_checkpoint(make_config):
     module, _ = partial_module(make_config)
-    module.collector.collect(0)
+    module.rollouts.collector.collect(0)
     # one more call of a batch under way: its responses have one segment of 2 tokens so far
-    module.collector.continue_partial(module.collector.curriculum.next_prompts(2), torch.Generator())
-    state = module.collector.state_dict()
+    module.rollouts.collector.continue_partial(module.rollouts.collector.curriculum.next_prompts(2), torch.Generator())
+    state = module.rollouts.collector.state_dict()
     assert state["pending"], "nothing under way to keep"
     buffer = io.BytesIO()
     torch.save(state, buffer)  # as a Lightning checkpoint holds it, loaded back as Lightning loads one
     state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     fresh, _ = partial_module(make_config)
-    fresh.collector.load_partial_state(state)
-    assert [r.tokens.tolist() for r in fresh.collector.pending] == [r.tokens.tolist() for r in module.collector.pending]
-    assert [r.example for r in fresh.collector.pending] == [r.example for r in module.collector.pending]
-    assert fresh.collector.next_group == module.collector.next_group
+    fresh.rollouts.collector.load_partial_state(state)
+    assert [r.tokens.tolist() for r in fresh.rollouts.collector.pending] == [r.tokens.tolist() for r in module.rollouts.collector.pending]
+    assert [r.example for r in fresh.rollouts.collector.pending] == [r.example for r in module.rollouts.collector.pending]
+    assert fresh.rollouts.collector.next_group == module.rollouts.collector.next_group
 
 
 def metric_rows(summary_dir) -> dict[tuple[int, str], float]:

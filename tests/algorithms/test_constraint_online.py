@@ -12,7 +12,7 @@ from conftest import EASY_TASK, FAST_RUN, compose_config, module_from_config
 from omegaconf import OmegaConf
 
 from posttrain import core
-from posttrain.algorithms import online
+from posttrain.algorithms.online.parts import constraint as online
 from posttrain.algorithms.experience import Experience
 from posttrain.config.check import check_config
 from posttrain.errors import ConfigError
@@ -56,48 +56,48 @@ def test_the_cost_is_stored_on_the_experience_out_of_the_total(make_config):
 
 def test_the_penalty_and_the_dual_step_by_hand(make_config):
     module = constraint_module(make_config)
-    module.multiplier = core.Multiplier.start(2.0)
-    exp, metrics = module.apply_constraint(batch([1.0, 0.0, 1.0, 0.0], [0.25, 1.0, 0.75, 0.5]))
+    module.part("constraint").multiplier = core.Multiplier.start(2.0)
+    exp, metrics = module.part("constraint").after_collect(batch([1.0, 0.0, 1.0, 0.0], [0.25, 1.0, 0.75, 0.5]))
     # excess over the limit 0.5: [0, 0.5, 0.25, 0] -> R = r - 2 * excess = [1, -1, 0.5, 0]
     assert exp.scores.tolist() == pytest.approx([1.0, -1.0, 0.5, 0.0])
     # mean cost 0.625: lambda <- 2 + 1.0 * (0.625 - 0.5) = 2.125
-    assert module.multiplier.value == pytest.approx(2.125)
+    assert module.part("constraint").multiplier.value == pytest.approx(2.125)
     assert metrics == pytest.approx({"rewards/constraint/lambda": 2.125, "rewards/constraint/cost_mean": 0.625,
                                      "rewards/constraint/violation": 0.125,
                                      "rewards/constraint/over_limit_frac": 0.5,   # 1.0 and 0.75
                                      "rewards/constraint/penalty_mean": 0.375})   # (0 + 1 + 0.5 + 0) / 4
     # a batch under the limit: lambda falls by 1.0 * (0.1 - 0.5) = -0.4, and nothing is penalised
-    exp, _ = module.apply_constraint(batch([1.0, 0.0], [0.1, 0.1]))
-    assert module.multiplier.value == pytest.approx(1.725) and exp.scores.tolist() == [1.0, 0.0]
+    exp, _ = module.part("constraint").after_collect(batch([1.0, 0.0], [0.1, 0.1]))
+    assert module.part("constraint").multiplier.value == pytest.approx(1.725) and exp.scores.tolist() == [1.0, 0.0]
     # ... down to 0 and no further
-    module.multiplier = core.Multiplier.start(0.3)
-    module.apply_constraint(batch([1.0, 0.0], [0.0, 0.0]))
-    assert module.multiplier.value == 0.0
+    module.part("constraint").multiplier = core.Multiplier.start(0.3)
+    module.part("constraint").after_collect(batch([1.0, 0.0], [0.0, 0.0]))
+    assert module.part("constraint").multiplier.value == 0.0
 
 
 def test_lambda_fixed_by_a_zero_learning_rate(make_config):
     module = constraint_module(make_config, "reward.constraint.lr=0", "reward.constraint.init=0.8")
-    assert module.multiplier.value == 0.8
-    exp, metrics = module.apply_constraint(batch([1.0, 1.0], [1.0, 0.0]))
+    assert module.part("constraint").multiplier.value == 0.8
+    exp, metrics = module.part("constraint").after_collect(batch([1.0, 1.0], [1.0, 0.0]))
     assert exp.scores.tolist() == pytest.approx([0.6, 1.0])  # 1 - 0.8 * 0.5
-    assert module.multiplier.value == metrics["rewards/constraint/lambda"] == 0.8
+    assert module.part("constraint").multiplier.value == metrics["rewards/constraint/lambda"] == 0.8
 
 
 def test_a_pid_multiplier_steps_from_the_batch_mean_cost(make_config):
     module = constraint_module(make_config, "reward.constraint.kp=2.0", "reward.constraint.kd=4.0",
                                "reward.constraint.init=1.0")
-    module.apply_constraint(batch([1.0, 0.0], [0.75, 0.75]))
+    module.part("constraint").after_collect(batch([1.0, 0.0], [0.75, 0.75]))
     # I = 1 + 1.0 * 0.25 = 1.25; no previous cost: lambda = 2 * 0.25 + 1.25 = 1.75
-    assert (module.multiplier.value, module.multiplier.integral) == pytest.approx((1.75, 1.25))
-    exp, metrics = module.apply_constraint(batch([1.0, 0.0], [1.0, 0.8]))
+    assert (module.part("constraint").multiplier.value, module.part("constraint").multiplier.integral) == pytest.approx((1.75, 1.25))
+    exp, metrics = module.part("constraint").after_collect(batch([1.0, 0.0], [1.0, 0.8]))
     assert exp.scores.tolist() == pytest.approx([1.0 - 1.75 * 0.5, -1.75 * 0.3])  # this batch pays the old lambda
     # mean 0.9, a rise of 0.15: I = 1.25 + 0.4 = 1.65; lambda = 2 * 0.4 + 1.65 + 4 * 0.15 = 3.05
-    assert metrics["rewards/constraint/lambda"] == module.multiplier.value == pytest.approx(3.05)
+    assert metrics["rewards/constraint/lambda"] == module.part("constraint").multiplier.value == pytest.approx(3.05)
     checkpoint = {"state_dict": module.state_dict()}
     module.on_save_checkpoint(checkpoint)
     resumed = constraint_module(make_config, "reward.constraint.kp=2.0", "reward.constraint.kd=4.0")
     resumed.on_load_checkpoint(checkpoint)
-    assert resumed.multiplier == module.multiplier  # the integral and the last cost too: the next step is the same
+    assert resumed.part("constraint").multiplier == module.part("constraint").multiplier  # the integral and the last cost too: the next step is the same
 
 
 def test_a_training_step_trains_on_the_penalised_reward_and_logs_lambda(make_config):
@@ -110,7 +110,7 @@ def test_a_training_step_trains_on_the_penalised_reward_and_logs_lambda(make_con
         return compute_advantages(exp)
 
     module.compute_advantages = recording
-    module.update = lambda exp, has_signal=True: module.accumulate_gradients(exp)  # no optimiser outside a Trainer
+    module.update = lambda exp, has_signal=True: module.learner.accumulate_gradients(exp)  # no optimiser outside a Trainer
     module.log_step_metrics = lambda metrics: seen.update(logged=metrics)
     collected = {}
     collect = module.collect
@@ -135,14 +135,14 @@ def test_a_training_step_trains_on_the_penalised_reward_and_logs_lambda(make_con
 
 def test_lambda_is_checkpointed_and_restored(make_config):
     module = constraint_module(make_config)
-    module.multiplier = core.Multiplier.start(0.37)
+    module.part("constraint").multiplier = core.Multiplier.start(0.37)
     checkpoint = {"state_dict": module.state_dict()}
     module.on_save_checkpoint(checkpoint)
     assert checkpoint["constraint_lambda"] == 0.37
     resumed = constraint_module(make_config)
-    assert resumed.multiplier.value == 0.0  # init
+    assert resumed.part("constraint").multiplier.value == 0.0  # init
     resumed.on_load_checkpoint(checkpoint)
-    assert resumed.multiplier.value == 0.37
+    assert resumed.part("constraint").multiplier.value == 0.37
 
 
 def test_two_ranks_hold_one_lambda_that_of_their_union(make_config, monkeypatch):
@@ -154,22 +154,22 @@ def test_two_ranks_hold_one_lambda_that_of_their_union(make_config, monkeypatch)
     sums = []
     monkeypatch.setattr(online, "all_reduce_sum", lambda x: sums.append(x.clone()) or x)
     for exp in ranks:
-        module.multiplier = core.Multiplier.start(1.0)
-        module.apply_constraint(exp)
+        module.part("constraint").multiplier = core.Multiplier.start(1.0)
+        module.part("constraint").after_collect(exp)
     # each rank again, its all-reduce adding the other rank's sums
     lambdas, logged = [], []
     for rank, exp in enumerate(ranks):
         other = sums[1 - rank]
         monkeypatch.setattr(online, "all_reduce_sum", lambda x, other=other: x + other)
-        module.multiplier = core.Multiplier.start(1.0)
-        logged.append(module.apply_constraint(exp)[1])
-        lambdas.append(module.multiplier.value)
+        module.part("constraint").multiplier = core.Multiplier.start(1.0)
+        logged.append(module.part("constraint").after_collect(exp)[1])
+        lambdas.append(module.part("constraint").multiplier.value)
     # the union: mean cost (0.9 + 0.8 + 1.0 + 0.1 + 0.2) / 5 = 0.6 -> lambda = 1 + 1.0 * (0.6 - 0.5) = 1.1
     assert lambdas[0] == lambdas[1] == pytest.approx(1.1)
     assert logged[0] == logged[1]
     monkeypatch.setattr(online, "all_reduce_sum", lambda x: x)
-    module.multiplier = core.Multiplier.start(1.0)
-    _, union = module.apply_constraint(Experience.concat(ranks, pad_token_id=0))
+    module.part("constraint").multiplier = core.Multiplier.start(1.0)
+    _, union = module.part("constraint").after_collect(Experience.concat(ranks, pad_token_id=0))
     assert union == pytest.approx(logged[0])
     # each rank alone would have moved lambda apart: 1.4 and 0.65
     assert [core.dual_ascent_step(1.0, m, LIMIT, LR) for m in (0.9, 0.15)] == pytest.approx([1.4, 0.65])

@@ -11,7 +11,8 @@ import torch
 
 from posttrain import core
 from posttrain.algorithms.experience import Experience
-from posttrain.algorithms.terms import DistillTerm, MicroBatch
+from posttrain.algorithms.online.parts.distillation import DistillTerm
+from posttrain.algorithms.online.terms import MicroBatch
 from posttrain.errors import ConfigError
 from posttrain.rewards import ScoredSample, build_reward
 from posttrain.train import run
@@ -128,7 +129,7 @@ def one_batch(module):
 
 def policy_grads(module, exp):
     module.policy.zero_grad()
-    stats = module.accumulate_gradients(exp)
+    stats = module.learner.accumulate_gradients(exp)
     return [p.grad.clone() for p in module.policy.parameters()], stats
 
 
@@ -143,7 +144,7 @@ def test_opd_reward_mode_gradient_is_the_sampled_reverse_kl_gradient(make_config
     grads, stats = policy_grads(module, exp)
     assert stats["distill/reverse_kl"] > 0.01  # a different teacher
     module.policy.zero_grad()
-    logp = module.training_forward(exp, with_values=False)[0]
+    logp = module.learner.training_forward(exp, with_values=False)[0]
     surrogate = core.aggregate_loss((logp.detach() - exp.teacher_logp) * logp, exp.response_mask,
                                     "seq-mean-token-mean")  # opd's aggregation (grpo's)
     surrogate.backward()
@@ -175,10 +176,10 @@ def test_kdrl_anneals_its_coefficient_over_rollout_batches(make_config, sft_star
                                           "algorithm.distill.coef_schedule.name=cosine",
                                           "algorithm.distill.coef_schedule.steps=10",
                                           f"roles.teacher.name_or_path={other_teacher}"))
-    start, end = module.distill["coef"], module.distill["coef_schedule"]["end"]
+    start, end = module.part("distillation").distill["coef"], module.part("distillation").distill["coef_schedule"]["end"]
     for batch, expected in ((0, start), (5, (start + end) / 2), (10, end), (50, end)):
         module.train_batches_seen = batch
-        assert module.distill_coef() == pytest.approx(expected)
+        assert module.part("distillation").coef() == pytest.approx(expected)
 
 
 def test_the_teacher_is_frozen_and_left_out_of_checkpoints(make_config, sft_start, other_teacher):
@@ -195,7 +196,7 @@ def test_the_teacher_is_frozen_and_left_out_of_checkpoints(make_config, sft_star
     teacher = dict(module.teacher.named_parameters())
     for name, p in resumed.teacher.named_parameters():
         assert torch.equal(p, teacher[name]) and not p.requires_grad
-    assert resumed.distill_coef() == module.distill_coef()  # the schedule continues from batch 7
+    assert resumed.part("distillation").coef() == module.part("distillation").coef()  # the schedule continues from batch 7
 
 
 def test_a_distilling_algorithm_without_a_teacher_is_refused(make_config, sft_start):

@@ -173,12 +173,12 @@ def test_on_policy_shortcut_gives_the_same_update_as_a_separate_old_forward(make
     exp = module.annotate(exp.without_trailing_padding())
     exp.advantages = torch.randn(len(exp), 1).expand_as(exp.response_mask) * exp.response_mask
     with torch.no_grad():
-        explicit_old = module.token_logprobs(module.policy, exp)[0]
+        explicit_old = module.scoring.logprobs(module.policy, exp)
     grads = []
     for old in (explicit_old, None):
         exp.old_logp = old
         module.policy.zero_grad()
-        stats = module.accumulate_gradients(exp)
+        stats = module.learner.accumulate_gradients(exp)
         grads.append([p.grad.clone() for p in module.policy.parameters()])
         assert stats["policy/ratio_mean"] == pytest.approx(1.0)
     for explicit, shortcut in zip(*grads):
@@ -193,7 +193,7 @@ def test_trimming_trailing_padding_changes_no_logprob(make_config, sft_start):
     assert width == int(exp.response_mask.sum(dim=1).max()) < exp.response_ids.shape[1]
     assert not exp.response_mask[:, width:].any()
     with torch.no_grad():
-        full, _ = module.token_logprobs(module.policy, exp)
-        short, _ = module.token_logprobs(module.policy, trimmed)
+        full = module.scoring.logprobs(module.policy, exp)
+        short = module.scoring.logprobs(module.policy, trimmed)
     real = trimmed.response_mask.bool()
     torch.testing.assert_close(short[real], full[:, :width][real], atol=1e-5, rtol=0)

@@ -13,6 +13,7 @@ from forked_cli import run_command
 from test_grpo import online_module
 
 from posttrain import core
+from posttrain.algorithms.online.learner import mismatch_metrics
 from posttrain.errors import MismatchError
 from posttrain.eval.report import write_report
 
@@ -23,9 +24,9 @@ def one_update(module, step: int = 0):
     exp, _, _ = module.collect(step=step)
     exp = module.annotate(exp.without_trailing_padding())
     exp, _ = module.compute_advantages(exp)
-    stats = module.accumulate_gradients(exp)
+    stats = module.learner.accumulate_gradients(exp)
     sums = {key.rsplit("/", 1)[1]: value for key, value in stats.items() if "/mismatch_sum/" in key}
-    return exp, module.mismatch_metrics(sums)
+    return exp, mismatch_metrics(sums, exp.response_mask.device)
 
 
 def test_an_fp32_sampler_agrees_with_the_trainer_and_a_bf16_one_does_not(make_config, sft_start):
@@ -57,7 +58,7 @@ def test_the_corrected_update_reads_the_trainers_pi_old_on_policy_as_an_explicit
     exp = module.annotate(exp.without_trailing_padding())
     exp, _ = module.compute_advantages(exp)
     with torch.no_grad():
-        explicit_old = module.token_logprobs(module.policy, exp)[0]
+        explicit_old = module.scoring.logprobs(module.policy, exp)
     # bounds at this batch's median |log pi_old - log mu|: about half the tokens capped or masked
     gap = core.mismatch_log_ratio(explicit_old, exp.rollout_logprobs, exp.response_mask)
     bound = float(gap[exp.response_mask.bool()].abs().median().exp())
@@ -66,7 +67,7 @@ def test_the_corrected_update_reads_the_trainers_pi_old_on_policy_as_an_explicit
     for old in (None, explicit_old):
         exp.old_logp = old
         module.policy.zero_grad()
-        stats.append(module.accumulate_gradients(exp))
+        stats.append(module.learner.accumulate_gradients(exp))
         grads.append([p.grad.clone() for p in module.policy.parameters() if p.grad is not None])
     for shortcut, explicit in zip(*grads):
         torch.testing.assert_close(shortcut, explicit, rtol=1e-5, atol=1e-7)
@@ -88,12 +89,12 @@ def test_the_correction_changes_the_gradient_as_its_weights_say(make_config, sft
         exp, _, _ = module.collect(step=0)
         exp, _ = module.compute_advantages(module.annotate(exp.without_trailing_padding()))
         if name == "mis":  # every token's ratio outside the bounds (bf16 rounding moves each one)
-            ratio = core.mismatch_log_ratio(module.token_logprobs(module.policy, exp)[0].detach(),
+            ratio = core.mismatch_log_ratio(module.scoring.logprobs(module.policy, exp).detach(),
                                             exp.rollout_logprobs, exp.response_mask)
             inside = (ratio.abs() <= 1e-6) & exp.response_mask.bool()
             exp.response_mask = exp.response_mask * ~inside  # the few tokens bf16 left exact: out of the batch
         module.policy.zero_grad()
-        module.accumulate_gradients(exp)
+        module.learner.accumulate_gradients(exp)
         grads[name] = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
     torch.testing.assert_close(grads["tis"], grads["none"] * 1e-6, rtol=1e-3, atol=1e-12)
     assert grads["mis"].abs().max() == 0
@@ -103,15 +104,16 @@ def test_over_budget_batches_are_counted_and_checkpointed_and_stop_when_asked(ma
     module = online_module(make_config, sft_start, "algorithm=dapo", "rollout.dtype=bfloat16",
                            "rollout.mismatch_budget.kl=1e-12")
     metrics = {"rollout/mismatch/kl": 1e-6}
-    module.check_mismatch_budget(metrics, step=0)
-    module.check_mismatch_budget({"rollout/mismatch/kl": 0.0}, step=1)  # within: not counted
-    assert module.mismatch_over_budget == 1 and metrics["rollout/mismatch/over_budget_batches"] == 1.0
+    budget = module.part("mismatch_budget")
+    budget.after_update(None, metrics, step=0)
+    budget.after_update(None, {"rollout/mismatch/kl": 0.0}, step=1)  # within: not counted
+    assert module.part("mismatch_budget").over_budget == 1 and metrics["rollout/mismatch/over_budget_batches"] == 1.0
     checkpoint = {"state_dict": {}}
     module.on_save_checkpoint(checkpoint)
     assert checkpoint["mismatch_over_budget"] == 1
-    module.mismatch_budget["action"] = "stop"
+    budget.budget["action"] = "stop"
     with pytest.raises(MismatchError, match=r"rollout/mismatch/kl = 1e-06 > 1e-12.*action=stop"):
-        module.check_mismatch_budget({"rollout/mismatch/kl": 1e-6}, step=2)
+        budget.after_update(None, {"rollout/mismatch/kl": 1e-6}, step=2)
 
 
 def posttrain(tmp_path, name, *overrides):

@@ -96,11 +96,11 @@ def test_the_module_receives_the_peer_options(make_config, sft_start):
     module = build(make_config, sft_start, "algorithm=grpo", "numerics=verl")
     assert module.loss_options["dual_clip"] == 3.0 and module.loss_options["log_ratio_clamp"] == 20.0
     assert module.advantage_options == {"eps": 1e-6, "scale": "group", "singleton": "unit_std"}
-    assert module.kl_options == {"log_ratio_clamp": 20.0, "value_clamp": 10.0, "unbiased_gradient": False,
+    assert module.part("reference").kl_options == {"log_ratio_clamp": 20.0, "value_clamp": 10.0, "unbiased_gradient": False,
                                  "is_weight_cap": 10.0}
     module = build(make_config, sft_start, "algorithm=grpo", "numerics=trl")
     assert module.loss_options["log_ratio_clamp"] is None and module.aggregation["count_empty_rows"] is True
-    assert module.kl_options["value_clamp"] is None and module.kl_options["log_ratio_clamp"] is None
+    assert module.part("reference").kl_options["value_clamp"] is None and module.part("reference").kl_options["log_ratio_clamp"] is None
 
 
 @pytest.mark.parametrize("overrides,culprit", [
@@ -134,8 +134,8 @@ def test_mask_truncated_takes_truncated_responses_out_of_the_loss(make_config, s
                      response_ids=torch.zeros(2, 3, dtype=torch.long), response_mask=mask,
                      rollout_logprobs=torch.zeros(2, 3), truncated=torch.tensor([True, False]),
                      scores=torch.zeros(2), correct=torch.zeros(2), group_index=torch.tensor([0, 0]))
-    assert torch.equal(module.loss_mask(exp), torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
-    assert torch.equal(build(make_config, sft_start, "algorithm=grpo").loss_mask(exp), mask)
+    assert torch.equal(module.learner.loss_mask(exp), torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
+    assert torch.equal(build(make_config, sft_start, "algorithm=grpo").learner.loss_mask(exp), mask)
 
 
 # --- the presets reproduce each peer's numbers --------------------------------------------
@@ -192,7 +192,7 @@ def test_numerics_preset_reproduces_the_peer(peer, make_config, sft_start):
     from posttrain import core
 
     module = build(make_config, sft_start, "algorithm=grpo", f"numerics={peer}")
-    assert module.advantage_name == "group_norm" and module.kl_name == "k3" and module.policy_loss == "ppo_clip"
+    assert module.advantage_name == "group_norm" and module.part("reference").kl_name == "k3" and module.policy_loss == "ppo_clip"
     g = torch.Generator().manual_seed(0)
     B, T = 7, 5
     mask = (torch.arange(T) < torch.tensor([5, 3, 1, 4, 2, 5, 0]).unsqueeze(-1)).double()
@@ -215,7 +215,7 @@ def test_numerics_preset_reproduces_the_peer(peer, make_config, sft_start):
     logp = (torch.randn(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_()
     ref = logp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 3
     ref[0, :2] = logp[0, :2].detach() + torch.tensor([25.0, -25.0], dtype=torch.float64)
-    ours = core.kl_penalty(module.kl_name, logp, ref, logp.detach(), **module.kl_options)
+    ours = core.kl_penalty(module.part("reference").kl_name, logp, ref, logp.detach(), **module.part("reference").kl_options)
     theirs = _peer_k3(peer, logp, ref)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)
     grads = [torch.autograd.grad(x.sum(), logp)[0] for x in (ours, theirs)]

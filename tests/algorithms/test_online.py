@@ -10,7 +10,7 @@ from conftest import EASY_TASK, FAST_RUN, module_from_config
 from test_grpo import online_module
 
 from posttrain.algorithms.experience import Experience
-from posttrain.algorithms.terms import MicroBatch, PolicyTerm
+from posttrain.algorithms.online.terms import MicroBatch, PolicyTerm
 from posttrain.errors import ConfigError, RewardError
 
 
@@ -32,7 +32,7 @@ def test_a_batch_without_signal_takes_no_step_and_too_many_stop_the_run(make_con
     exp, _, _ = module.collect(step=0)
     module.optimizers = lambda: pytest.fail("no optimiser may be touched without a learning signal")
     assert module.update(exp, has_signal=False) == {"perf/skipped_update": 1.0}
-    module.batches_without_signal = 49
+    module.learner.batches_without_signal = 49
     with pytest.raises(RewardError, match="no group with a reward spread"):
         module.update(exp, has_signal=False)
 
@@ -54,9 +54,10 @@ def test_a_non_finite_gradient_skips_the_step_and_is_counted(make_config, sft_st
             self.zeroed = True
 
     optimizer = Recorder()
-    norm = module.optimiser_step(optimizer, params, max_norm=1.0, count_step=True)
+    module.learner.steppers.optimizers = lambda: [optimizer]
+    norm = module.learner.optimiser_step(0, params, max_norm=1.0)
     assert math.isnan(norm) and not optimizer.stepped and optimizer.zeroed
-    assert module.nonfinite_steps == 1
+    assert module.learner.nonfinite_steps == 1
 
 
 def test_offpolicy_mask_compares_sampler_and_trainer_over_the_same_support():
@@ -101,7 +102,7 @@ def test_ppo_critic_has_its_own_optimiser_and_trains_in_warm_up(make_config, sft
     # and zero returns against the zero-initialised value head would leave nothing to learn
     exp = replace(exp, returns=exp.response_mask.float())
     module.policy.zero_grad()
-    stats = module.accumulate_gradients(exp, train_policy=False)  # warm-up: the value loss only
+    stats = module.learner.accumulate_gradients(exp, train_policy=False)  # warm-up: the value loss only
     assert "critic/value_loss" in stats and "policy/loss" not in stats
     assert all(p.grad is None or not p.grad.any() for p in module.policy.parameters())
     assert any(p.grad is not None and p.grad.any() for p in module.critic.trainable_parameters())
@@ -145,7 +146,7 @@ def test_a_rollout_batch_takes_ppo_epochs_times_num_minibatches_steps_whatever_i
     module = random_online_module(make_config, "algorithm.ppo_epochs=2", "algorithm.num_minibatches=4")
     exp = scored_batch(module).select(torch.arange(rows))
     sizes = []
-    module.minibatch_step = lambda minibatch, train_policy, stand_in=None: sizes.append(len(minibatch)) or {}
+    module.learner.minibatch_step = lambda minibatch, train_policy, stand_in=None: sizes.append(len(minibatch)) or {}
     module.update(exp)
     assert len(sizes) == 2 * 4
     for epoch in (sizes[:4], sizes[4:]):
@@ -156,7 +157,7 @@ def test_stand_in_micro_batches_add_nothing_to_the_gradient(make_config, monkeyp
     """A rank with fewer micro-batches than another runs stand-ins to match its collectives (every
     forward and backward under FSDP): weighted 0, they leave its gradient and stats exactly as
     they were; in a minibatch it has no rows of, their backward still reaches every parameter."""
-    import posttrain.algorithms.online as online
+    import posttrain.algorithms.online.learner as online
 
     module = random_online_module(make_config, "algorithm.micro_batch_size=3")
     exp = scored_batch(module)
@@ -164,7 +165,7 @@ def test_stand_in_micro_batches_add_nothing_to_the_gradient(make_config, monkeyp
 
     def gradients(minibatch, **kwargs):
         module.policy.zero_grad(set_to_none=True)
-        stats = module.accumulate_gradients(minibatch, **kwargs)
+        stats = module.learner.accumulate_gradients(minibatch, **kwargs)
         return stats, [p.grad for p in params]
 
     stats, alone = gradients(exp)

@@ -36,18 +36,18 @@ def test_ptx_on_pretraining_text_adds_the_language_model_gradient(make_config, t
     params = [p for p in module.policy.parameters() if p.requires_grad]
 
     def gradients(ptx_coef: float):
-        module.ptx_coef, module.ptx_cursor.position = ptx_coef, 0
+        module.part("ptx").coef, module.part("ptx").cursor.position = ptx_coef, 0
         module.policy.zero_grad(set_to_none=True)
-        stats = module.accumulate_gradients(exp)
+        stats = module.learner.accumulate_gradients(exp)
         return stats, [p.grad.clone() for p in params]
 
     with_ptx, combined = gradients(coef)
-    assert module.ptx_cursor.position == rows  # one batch of chunks taken from the stream
+    assert module.part("ptx").cursor.position == rows  # one batch of chunks taken from the stream
     without_ptx, rl_only = gradients(0.0)
     assert "ptx/loss" in with_ptx and "ptx/loss" not in without_ptx
 
-    module.ptx_cursor.position = 0
-    chunks = torch.stack(module.ptx_cursor.take(rows))  # the same chunks: [rows, 12] token ids
+    module.part("ptx").cursor.position = 0
+    chunks = torch.stack(module.part("ptx").cursor.take(rows))  # the same chunks: [rows, 12] token ids
     assert chunks.shape == (rows, 12)
     module.policy.zero_grad(set_to_none=True)
     logits = module.policy(input_ids=chunks).logits

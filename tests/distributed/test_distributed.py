@@ -29,6 +29,8 @@ def build(cfg_dict):
     module = build_module(cfg, policy, tokenizer, source)
     module.setup("fit")  # the curriculum's cursor learns this process's rank here
     module.manual_backward = lambda loss: loss.backward()
+    if hasattr(module, "learner"):  # online RL: the learner backwards through its steppers
+        module.learner.steppers.backward = module.manual_backward
     return module, tokenizer
 
 
@@ -46,7 +48,7 @@ def rank_update(rank, port, cfg_dict, out_dir):
         exp, _, _ = module.collect(step=0)
         exp, _ = module.compute_advantages(module.annotate(exp))
         module.policy.zero_grad()
-        module.accumulate_gradients(exp)
+        module.learner.accumulate_gradients(exp)
         average_gradients(list(module.policy.parameters()))
         torch.save({"exp": exp, "prompts": prompts_of(exp, tokenizer),
                     "grads": [p.grad for p in module.policy.parameters()]}, f"{out_dir}/rank{rank}.pt")
@@ -71,7 +73,7 @@ def test_two_ranks_draw_disjoint_prompts_and_average_to_the_union_gradient(make_
     parts[1].group_index = parts[1].group_index + 10_000  # keep the ranks' groups apart
     union = Experience.concat(parts, tokenizer.pad_token_id)
     single.policy.zero_grad()
-    single.accumulate_gradients(union)
+    single.learner.accumulate_gradients(union)
     for name_param, g0, g1 in zip(single.policy.named_parameters(), ranks[0]["grads"], ranks[1]["grads"]):
         name, param = name_param
         torch.testing.assert_close(g0, g1, rtol=0, atol=0)  # averaged: the same on every rank

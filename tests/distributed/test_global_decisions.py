@@ -52,7 +52,8 @@ def one_training_step(module, collect=None) -> dict:
     loss terms and backward (their stats: the KL), without an optimiser step."""
     module.setup("fit")
     module.manual_backward = lambda loss: loss.backward()
-    module.update = lambda exp, has_signal=True: module.accumulate_gradients(exp)
+    module.learner.steppers.backward = module.manual_backward
+    module.update = lambda exp, has_signal=True: module.learner.accumulate_gradients(exp)
     if collect is not None:
         module.collect = collect
     seen = {}
@@ -65,7 +66,7 @@ def one_training_step(module, collect=None) -> dict:
     module.compute_advantages = recording
     module.log_step_metrics = lambda metrics: seen.update(logged=metrics)
     module.training_step(None, 0)
-    return {"exp": seen["exp"], "logged": seen["logged"], "beta": module.kl_controller.value,
+    return {"exp": seen["exp"], "logged": seen["logged"], "beta": module.part("reference").controller.value,
             "level": module.curriculum.level}
 
 

@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.experience import PER_TOKEN, Experience
 from posttrain.algorithms.online import OnlineRLModule
+from posttrain.algorithms.online.learner import Learner
+from posttrain.algorithms.online.sampler import PolicySampler
 from posttrain.distributed import collectives
 from posttrain.distributed.collectives import rank_and_world
 from posttrain.distributed.sharding import full_state_dict
@@ -174,8 +176,13 @@ def recording_modules() -> list:
         self.update_rows.append(len(exp))
         return original(self, exp, *args, **kwargs)
 
-    def minibatch_step(self, exp, *args, original=OnlineRLModule.minibatch_step, **kwargs):
-        self.minibatches.append((self.train_batches_seen, copy.deepcopy(exp)))
+    def sample(self, *args, original=PolicySampler.generate, **kwargs):
+        built[-1].generate_calls += 1  # the collect stage's, through the module's sampler
+        return original(self, *args, **kwargs)
+
+    def minibatch_step(self, exp, *args, original=Learner.minibatch_step, **kwargs):
+        module = built[-1]  # the learner of the module this process built last
+        module.minibatches.append((module.train_batches_seen, copy.deepcopy(exp)))
         return original(self, exp, *args, **kwargs)
 
     def epoch_end(self, original=PosttrainModule.on_validation_epoch_end):
@@ -183,8 +190,8 @@ def recording_modules() -> list:
         return original(self)
 
     PosttrainModule.__init__, PosttrainModule.on_validation_epoch_end = init, epoch_end
-    PosttrainModule.generate = generate
-    OnlineRLModule.update, OnlineRLModule.minibatch_step = update, minibatch_step
+    PosttrainModule.generate, PolicySampler.generate = generate, sample
+    OnlineRLModule.update, Learner.minibatch_step = update, minibatch_step
     return built
 
 
@@ -326,7 +333,7 @@ def test_online_rl_on_uneven_ranks_takes_the_configured_steps_and_equals_one_pro
     def replay(exp, has_signal=True):
         stats = {}
         for union in unions:
-            stats = single.minibatch_step(union, True)
+            stats = single.learner.minibatch_step(union, True)
         return stats
 
     single.update = replay

@@ -53,24 +53,24 @@ def test_reference_is_the_base_with_the_adapter_off(make_config, tiny_hf_model):
                       "kl_estimator=k3")
     module = module_from_config(cfg)
     assert module.reference is None and module.frozen_roles() == []  # no copy of the weights
-    assert {p for p in module.policy_parameters()} == {p for p in module.policy.parameters() if p.requires_grad}
+    assert {p for p in module.learner.policy_parameters()} == {p for p in module.policy.parameters() if p.requires_grad}
     exp, _, _ = module.collect(step=0)
     exp = module.annotate(exp.without_trailing_padding())
     mask = exp.response_mask.bool()
     with torch.no_grad():
-        policy_logp = module.token_logprobs(module.policy, exp)[0]
+        policy_logp = module.scoring.logprobs(module.policy, exp)
     # a fresh adapter's B is zero: the adapted policy is its base, exactly
     assert torch.equal(exp.ref_logp[mask], policy_logp[mask])
 
-    optimizer = torch.optim.AdamW(module.policy_parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(module.learner.policy_parameters(), lr=1e-2)
     for _ in range(3):
         optimizer.zero_grad()
-        logp = module.token_logprobs(module.policy, exp)[0]
+        logp = module.scoring.logprobs(module.policy, exp)
         (-(logp * exp.response_mask).sum()).backward()
         optimizer.step()
     with torch.no_grad():
-        trained_logp = module.token_logprobs(module.policy, exp)[0]
-        ref_logp = module.reference_logprobs(exp)
+        trained_logp = module.scoring.logprobs(module.policy, exp)
+        ref_logp = module.part("reference").reference_logprobs(exp)
     assert not torch.allclose(trained_logp[mask], ref_logp[mask], atol=1e-3)
     # ... and the reference is still the base model as loaded from disk, without an adapter
     with open_dict(cfg):
@@ -78,7 +78,7 @@ def test_reference_is_the_base_with_the_adapter_off(make_config, tiny_hf_model):
     _, fresh_base = load_tokenizer_and_model(cfg.model, module.source.alphabet)
     assert not has_adapter(fresh_base)
     with torch.no_grad():
-        base_logp = module.token_logprobs(fresh_base, exp)[0]
+        base_logp = module.scoring.logprobs(fresh_base, exp)
     torch.testing.assert_close(ref_logp[mask], base_logp[mask], atol=1e-6, rtol=0)
     torch.testing.assert_close(exp.ref_logp[mask], base_logp[mask], atol=1e-6, rtol=0)
 

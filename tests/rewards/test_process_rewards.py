@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from posttrain.algorithms.online.module import rollout_metrics
+
 from conftest import FAST_RUN, module_from_config, rollout_batch
 from posttrain import core
 from posttrain.data.arithmetic import ALPHABET, label_steps
@@ -139,7 +141,7 @@ def scripted_module(make_config, texts: list[str], *overrides: str):
     def generate(prompt_ids, prompt_mask, params, generator=None):
         return rollout_batch([ids_of(tok, text) for text in texts], tok.pad_token_id, prompt_ids, prompt_mask)
 
-    module.generate = generate
+    module.sampler.generate = generate
     return module
 
 
@@ -149,7 +151,7 @@ TEXTS = [RIGHT, WRONG_SECOND, "7+5=13,4+8+1=13,3+1+1=5>532", "7+5=12,4+8+1=13,3+
 
 def test_prm_step_advantages_credit_each_step_at_its_last_token(make_config):
     module = scripted_module(make_config, TEXTS, "reward.components.accuracy.weight=0.5")
-    exp, _ = module.sample_and_score([EXAMPLE], 0, torch.Generator())
+    exp, _ = module.rollouts.sample_and_score([EXAMPLE], 0, torch.Generator())
     # prefix-oracle marginal rewards: +1 at the first right step, -1 at the first wrong one
     per_step = [[1, 0, 0, 0], [1, -1, 0, 0], [0, 0, 0, 0], [1, 0, 0, -1]]
     ends = [6, 15, 23, 27]
@@ -170,13 +172,13 @@ def test_prm_step_advantages_credit_each_step_at_its_last_token(make_config):
 
 def test_prm_early_stop_cuts_after_the_first_low_step(make_config):
     module = scripted_module(make_config, TEXTS, "rollout.prm_stop_below=0.5")
-    exp, _ = module.sample_and_score([EXAMPLE], 0, torch.Generator())
+    exp, _ = module.rollouts.sample_and_score([EXAMPLE], 0, torch.Generator())
     assert exp.prm_stopped.tolist() == [False, True, True, False]  # the last row's only low step is the last
     assert exp.response_mask.sum(1).tolist() == [28, 16, 7, 28]    # cut after the first wrong step
     assert module.tokenizer.decode(exp.response_ids[1, :16]) == "7+5=12,4+8+1=14,"
     assert not exp.truncated.any()
     assert exp.step_mask[1].nonzero().flatten().tolist() == [6, 15]
-    assert module.rollout_metrics(exp)["rollout/prm_stop_frac"] == 0.5
+    assert rollout_metrics(exp)["rollout/prm_stop_frac"] == 0.5
 
 
 def test_step_options_without_a_process_reward_are_refused(make_config):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from posttrain.algorithms.online.module import rollout_metrics
 from omegaconf import OmegaConf
 
 from posttrain.data.arithmetic import ALPHABET, ArithmeticTask, Problem
@@ -167,7 +169,7 @@ def test_flag_reaches_rewards_experience_and_repetition_frac(make_config):
     module = module_from_config(cfg)
     generator = torch.Generator().manual_seed(0)
     examples = module.curriculum.next_prompts(4)
-    exp, reward_metrics = module.sample_and_score(examples, 0, generator)
+    exp, reward_metrics = module.rollouts.sample_and_score(examples, 0, generator)
     repeated = exp.repeated
     assert repeated.any() and not repeated.all()
     lengths = exp.response_mask.sum(1).long()
@@ -178,6 +180,6 @@ def test_flag_reaches_rewards_experience_and_repetition_frac(make_config):
     # accuracy (0 or 1) + 0.5 x (-1 for a looping row)
     assert torch.equal(exp.scores - exp.correct, -0.5 * repeated.float())
     assert reward_metrics["rewards/repetition/mean"] == pytest.approx(-repeated.float().mean().item())
-    metrics = module.rollout_metrics(exp)
+    metrics = rollout_metrics(exp)
     assert metrics["rollout/repetition_frac"] == pytest.approx(repeated.float().mean().item())
     assert exp.select(torch.tensor([0, 1])).repeated.tolist() == repeated[:2].tolist()

@@ -1,6 +1,6 @@
 """The rules of an online-RL configuration, each stated once over plain values.
 
-Two places enforce them: `OnlineRLModule.__init__` (algorithms/online.py) raises a broken rule
+Two places enforce them: the online module's parts (algorithms/online/) raise a broken rule
 as a ConfigError when a module is built (tests and scripts build modules without the start-up
 check), and config/ reports it beside every other problem of the composed config before
 anything is built. Each function answers with the problem in words, or None when the values
@@ -132,7 +132,7 @@ def constraint_problem(constraint, components) -> str | None:
     return None
 
 
-PRODUCERS = ("inline", "process")  # rollout.producer (algorithms/producer.py); null: by max_staleness
+PRODUCERS = ("inline", "process")  # rollout.producer (algorithms/online/producer.py); null: by max_staleness
 
 
 def producer_problem(producer: str, max_staleness: int) -> str | None:

@@ -75,7 +75,7 @@ SPECS: dict[str, Spec] = {
     "algorithm.ptx_seq_len": integer(2).about("ptx_data: tokens per chunk of pretraining text"),
     "algorithm.offpolicy_mask_delta": optional(number(0)),
     "algorithm.keep_sampling_mask": boolean(),
-    # distillation from a frozen teacher (opd, kdrl, long2short): algorithms/online.py, DistillTerm
+    # distillation from a frozen teacher (opd, kdrl, long2short): algorithms/online/parts/distillation.py
     "algorithm.distill": optional(mapping("{mode: reward, coef: 1.0}")).about("null: no distillation"),
     "algorithm.distill.mode": choice("reward", "full", "loss").about("per-token reward | full-vocabulary loss | "
                                                                      "sampled k2/k3 loss"),

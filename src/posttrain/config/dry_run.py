@@ -48,6 +48,16 @@ def algorithm_problems(cfg: DictConfig) -> list[str]:
         return [str(err)]
     given = [k for k in cfg.algorithm if k not in NOT_MODULE_ARGUMENTS]
     problems = unknown_arguments("algorithm", module_class, given, SUPPLIED_ARGUMENTS)
+    # An SFT run (the warm start) never imports the RL modules, so that editing them keeps the
+    # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
+    from posttrain.algorithms.online.module import OnlineRLModule, refuse_unknown_keys
+
+    if isinstance(module_class, type) and issubclass(module_class, OnlineRLModule):
+        try:
+            named = inspect.signature(module_class).parameters  # optim: a constructor argument of its own
+            refuse_unknown_keys({key: None for key in given if key not in named})
+        except ConfigError as err:
+            problems.append(str(err))
     params = inspect.signature(module_class).parameters
     missing = [name for name, p in params.items()
                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
@@ -62,9 +72,13 @@ def core_option_problems(cfg: DictConfig) -> list[str]:
     from the config rather than from a built module."""
     # An SFT run (the warm start) never imports the RL modules, so that editing them keeps the
     # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
-    from posttrain.algorithms.online import KL_PLACEMENT_KEYS, OnlineRLModule, check_core_options
+    from posttrain.algorithms.online.module import OnlineRLModule, check_core_options
+    from posttrain.algorithms.online.parts.reference import KL_PLACEMENT_KEYS
 
-    defaults = {name: p.default for name, p in inspect.signature(OnlineRLModule).parameters.items()}
+    from posttrain.algorithms.online.learner import LEARNER_OPTIONS
+    from posttrain.core.policy_loss import _DEFAULTS
+
+    defaults = {**_DEFAULTS, **{o.name: o.default for o in LEARNER_OPTIONS}, "policy_loss": "ppo_clip"}
     algorithm = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items()}
     setting = lambda key: algorithm.get(key, defaults[key])  # noqa: E731 - a module argument or its default
     kl = OmegaConf.to_container(cfg.kl_estimator, resolve=True)
@@ -81,7 +95,8 @@ def core_option_problems(cfg: DictConfig) -> list[str]:
         kl_options={k: v for k, v in kl.items() if k not in KL_PLACEMENT_KEYS},
     )
     try:
-        check_core_options(stand_in)
+        reference = SimpleNamespace(kl_name=stand_in.kl_name, kl_options=stand_in.kl_options) if uses_kl else None
+        check_core_options(stand_in, reference)
     except ConfigError as err:
         return [str(err)]
     return []

@@ -45,7 +45,7 @@ SPECS: dict[str, Spec] = {
                                                                          "tokens; null: none"),
     "rollout.mismatch_budget.action": choice("warn", "stop").about("over budget: warn (the run is marked invalid) "
                                                                    "or stop"),
-    # asynchronous collection and partial rollouts (algorithms/producer.py, collect.py), online algorithms only
+    # asynchronous collection and partial rollouts (algorithms/online/producer.py, collect.py), online algorithms only
     "rollout.max_staleness": integer(0).about("policy versions a consumed batch may lag; 0: synchronous"),
     "rollout.producer": optional(choice(*PRODUCERS)).about("who collects: inline (the trainer) | process (a "
                                                           "producer process); null: process when max_staleness > 0"),

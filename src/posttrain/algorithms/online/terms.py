@@ -1,5 +1,7 @@
 """The loss of an online-RL update as a sum of terms. Each term is a small object that calls
-`core`, returns (loss, stats) and logs under its own prefix: `policy/`, `critic/`, `distill/`, `ptx/`.
+`core`, returns (loss, stats) and logs under its own prefix. The learner's own terms are here
+(the policy-gradient surrogate and the entropy); a part adds its own (the KL in
+parts/reference.py, the value loss in parts/critic.py, distillation in parts/distillation.py).
 
 A term reads a `MicroBatch`: the rows of the annotated Experience, the loss mask, the
 training forward's outputs, and the global counts every aggregation uses.
@@ -68,22 +70,6 @@ class PolicyTerm:
         return loss, {"loss": loss.detach(), **loss_stats, **stats}
 
 
-class KLTerm:
-    """beta * aggregate(k) against the frozen reference. As a loss only with `placement:
-    as_loss`; with `in_reward` the KL is already in the rewards and this term only logs it."""
-
-    prefix = "policy"
-
-    def __init__(self, estimator: str, options: dict, controller, as_loss: bool):
-        self.estimator, self.options, self.controller, self.as_loss = estimator, options, controller, as_loss
-
-    def __call__(self, mb: MicroBatch):
-        kl = core.kl_penalty(self.estimator, mb.logp, mb.exp.ref_logp, mb.old_logp, **self.options)
-        value = core.aggregate_loss(kl, mb.mask, **_renamed(mb.aggregation))
-        loss = self.controller.value * value if self.as_loss else value.detach() * 0.0
-        return loss, {"kl": value.detach()}
-
-
 class EntropyTerm:
     """-coef * token-mean entropy (a bonus). With coef 0 the entropy is only logged, computed
     without gradient."""
@@ -100,63 +86,7 @@ class EntropyTerm:
         return loss, {"entropy": entropy.detach()}
 
 
-class DistillTerm:
-    """Distillation from the frozen teacher on the student's own samples (`algorithm.distill`),
-    weighted by coef = `coef_fn()` (the schedule's value at this rollout batch):
-
-      reward  on-policy distillation, the per-token reward coef * (log p_T(y_t) - log p_S(y_t))
-              is already in the advantages (OnlineRLModule.compute_advantages): no loss here
-      full    coef * aggregate(D(p_S || p_T)) over the full vocabulary, D = `divergence`
-              (reverse_kl | forward_kl | generalized_jsd) at `temperature`
-      loss    KDRL: coef * aggregate(k) of a sampled estimator k (k2 | k3) of KL(student, teacher),
-              on the sequences `reward_mask` keeps (mask=low_reward: reward <= reward_threshold)
-
-    Every mode logs the sampled reverse KL, mean over tokens of log p_S(y_t) - log p_T(y_t)."""
-
-    prefix = "distill"
-
-    def __init__(self, mode: str, coef_fn, *, divergence: str = "reverse_kl", beta: float = 0.5,
-                 temperature: float = 1.0, estimator: str = "k2", mask: str = "none", reward_threshold: float = 0.0):
-        self.mode, self.coef_fn = mode, coef_fn
-        self.divergence, self.beta, self.temperature = divergence, beta, temperature
-        self.estimator, self.mask, self.reward_threshold = estimator, mask, reward_threshold
-
-    def __call__(self, mb: MicroBatch):
-        coef = self.coef_fn()
-        teacher_logp = mb.exp.teacher_logp
-        stats = {"coef": coef, "reverse_kl": core.masked_mean(core.reverse_kl_sampled(mb.logp.detach(), teacher_logp),
-                                                              mb.mask)}
-        if self.mode == "reward":
-            return mb.logp.new_zeros(()), stats
-        if self.mode == "full":
-            divergence = core.distill_divergence(self.divergence, mb.logits, mb.teacher_logits, beta=self.beta,
-                                                 temperature=self.temperature)
-            value = core.aggregate_loss(divergence, mb.mask, **_renamed(mb.aggregation))
-        else:
-            reward_mask = (core.kdrl_reward_mask(mb.exp.scores, self.reward_threshold)
-                           if self.mask == "low_reward" else None)
-            value, kd_stats = core.kdrl_loss(mb.logp, teacher_logp, mb.mask, reward_mask, estimator=self.estimator,
-                                             **mb.aggregation)
-            stats.update(kl=kd_stats["kl"], masked_frac=kd_stats["masked_frac"])
-        return coef * value, {**stats, "loss": value.detach()}
-
-
-class ValueTerm:
-    """PPO's clipped value loss, vf_coef * 0.5 max((V - R)^2, (V_old + clip(V - V_old) - R)^2)."""
-
-    prefix = "critic"
-
-    def __init__(self, clip_range: float | None, coef: float = 1.0):
-        self.clip_range, self.coef = clip_range, coef
-
-    def __call__(self, mb: MicroBatch):
-        loss, stats = core.value_loss(mb.values, mb.exp.values, mb.exp.returns, mb.mask, self.clip_range,
-                                      **mb.aggregation)
-        return self.coef * loss, {"value_loss": loss.detach(), "vf_clipfrac": stats["vf_clip_frac"],
-                                  "value_mean": stats["vpred_mean"]}
-
-
-def _renamed(aggregation: dict) -> dict:
+def renamed_aggregation(aggregation: dict) -> dict:
     """`aggregate_loss` spells the mode `mode`; the policy losses spell it `agg_mode`."""
     out = dict(aggregation)
     out["mode"] = out.pop("agg_mode")

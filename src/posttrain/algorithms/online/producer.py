@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 import torch.multiprocessing as mp
 
-from posttrain.algorithms.collect import CollectedBatch, Collector
+from posttrain.algorithms.online.collect import CollectedBatch, Collector
 from posttrain.errors import PosttrainError
 
 # How often a waiting side looks whether the other is still alive, in seconds.
@@ -75,27 +75,9 @@ class InlineProducer:
         pass
 
 
-class ModelGenerator:
-    """`Collector.generate` over a model of the producer's own (picklable, unlike a bound method
-    of the trainer's module)."""
-
-    def __init__(self, engine, model, eos_ids: list[int], pad_token_id: int):
-        self.engine, self.model, self.eos_ids, self.pad_token_id = engine, model, eos_ids, pad_token_id
-
-    def __call__(self, prompt_ids, prompt_mask, params, generator=None):
-        return self.engine.generate(self.model, prompt_ids, prompt_mask, params, eos_token_id=self.eos_ids,
-                                    pad_token_id=self.pad_token_id, generator=generator)
-
-    def weights_loaded(self) -> None:
-        """New weights are in the model: an engine with its own copy (vLLM) reloads it."""
-        notify = getattr(self.engine, "policy_updated", None)
-        if notify is not None:
-            notify()
-
-
 class ProcessProducer:
-    """A producer process (torch.multiprocessing, spawned) running `collector`, whose `generate`
-    is a `ModelGenerator` over a copy of the policy; `threads` torch threads; `autocast_dtype`
+    """A producer process (torch.multiprocessing, spawned) running `collector`, whose sampler
+    (sampler.py) holds a copy of the policy and an engine of its own; `threads` torch threads; `autocast_dtype`
     the trainer's mixed precision (None: none), so that it samples as the trainer would.
 
     `launch` spawns the process early (its imports take seconds), `start` hands it the collector
@@ -127,7 +109,7 @@ class ProcessProducer:
         collector.load_partial_state(state)
         collector.rounds_agree = None  # a producer's rounds are its own: it takes no collective
         self.staging = {name: p.detach().to("cpu", copy=True).share_memory_()
-                        for name, p in collector.generate.model.named_parameters()}
+                        for name, p in collector.sampler.model.named_parameters()}
         self.inbox.put(("start", (collector, self.staging, index, self.max_staleness, self.threads,
                                   self.autocast_dtype)))
         self.publish(version, policy, None, every_parameter=True)
@@ -195,7 +177,7 @@ def produce(lock, shared_version, inbox, outbox) -> None:
             return
         collector, staging, index, max_staleness, threads, autocast_dtype = message[1]
         torch.set_num_threads(threads)
-        model = collector.generate.model.to(collector.device)
+        model = collector.sampler.model.to(collector.device)
         parameters = dict(model.named_parameters())
         autocast = (torch.autocast(collector.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                     else contextlib.nullcontext())
@@ -219,7 +201,7 @@ def produce(lock, shared_version, inbox, outbox) -> None:
                     for name, buffer in staging.items():
                         parameters[name].copy_(buffer)
                     loaded = shared_version.value
-                collector.generate.weights_loaded()
+                collector.sampler.weights_loaded()
             collector.version = loaded
             started = time.perf_counter()
             with autocast:

@@ -6,7 +6,7 @@ The trainer runs it in its own process (`rollout.max_staleness=0`, the synchrono
 or a rollout producer runs it beside the trainer with a copy of the weights (producer.py).
 Either way it holds no Lightning state and takes no collective of its own: what the ranks
 must agree on (the pre-filter accuracy, whether any rank has a signal) is reduced by the
-trainer when it consumes the batch (`OnlineRLModule.collect`). Only the synchronous
+trainer when it consumes the batch (`OnlineRLModule.collect`, module.py). Only the synchronous
 pipeline's rounds of dynamic sampling ask the ranks (`rounds_agree`), as they always have.
 
 Partial rollouts (`rollout.partial_budget=N`, Kimi k1.5): each generate call gives every
@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import torch
 
 from posttrain.algorithms.experience import Experience
+from posttrain.algorithms.online.sampler import PolicySampler
 from posttrain.data.datamodule import collate_prompts, left_padded, prompt_token_ids
 from posttrain.data.examples import Example
 from posttrain.rewards.samples import rollout_samples
@@ -91,25 +92,44 @@ class PartialResponse:
         return PartialResponse(**{**state, "example": Example(**state["example"])})
 
 
-class Collector:
-    """`generate(prompt_ids, prompt_mask, params, generator=...) -> RolloutBatch` samples with
-    the policy (the trainer's, or a producer's copy); `version` is the number of policy updates
-    in the weights it samples with, set by whoever drives it; `eos_ids` end a response."""
+@dataclass
+class CollectSettings:
+    """What one rollout batch is: `group_size` samples of `prompts_per_step` prompts drawn with
+    `sampling`, ended by any of `eos_ids`; `partial_budget` tokens per generate call (partial
+    rollouts; None: whole responses). The rest comes from the parts that are on: a process
+    reward's `step_rule`, `process_reward` and `prm_stop_below` (parts/process_rewards.py),
+    the constraint's `cost_component` (parts/constraint.py)."""
 
-    def __init__(self, generate: Callable, tokenizer, source, curriculum, reward_fn, *, sampling: SamplingParams,
-                 group_size: int, prompts_per_step: int, seed: int, eos_ids: list[int], rank: int = 0,
-                 world: int = 1, device="cpu", step_rule=None, process_reward=None,
-                 prm_stop_below: float | None = None, partial_budget: int | None = None,
-                 rounds_agree: Callable[[int], bool] | None = None, cost_component: str | None = None):
-        self.generate, self.tokenizer, self.source = generate, tokenizer, source
+    sampling: SamplingParams
+    group_size: int
+    prompts_per_step: int
+    seed: int
+    eos_ids: list[int]
+    partial_budget: int | None = None
+    step_rule: object = None
+    process_reward: object = None
+    prm_stop_below: float | None = None
+    cost_component: str | None = None
+
+
+class Collector:
+    """`sampler` (sampler.py) samples with the policy (the trainer's, or a producer's copy);
+    `version` is the number of policy updates in the weights it samples with, set by whoever
+    drives it. `rounds_agree(need)`: whether any rank still needs groups (None: this rank
+    alone decides, a producer's case)."""
+
+    def __init__(self, sampler: PolicySampler, tokenizer, source, curriculum, reward_fn, settings: CollectSettings,
+                 *, rank: int = 0, world: int = 1, device="cpu", rounds_agree: Callable[[int], bool] | None = None):
+        self.sampler, self.tokenizer, self.source = sampler, tokenizer, source
         self.curriculum, self.reward_fn = curriculum, reward_fn
-        self.sampling, self.group_size, self.prompts_per_step = sampling, group_size, prompts_per_step
-        self.seed, self.rank, self.world, self.device = seed, rank, world, torch.device(device)
-        self.eos_ids = torch.tensor(eos_ids, dtype=torch.long)
-        self.step_rule, self.process_reward, self.prm_stop_below = step_rule, process_reward, prm_stop_below
-        self.partial_budget = partial_budget
-        self.rounds_agree = rounds_agree  # None: this rank alone decides (a producer's case)
-        self.cost_component = cost_component  # reward.constraint's cost: its scores go to Experience.cost
+        s = settings
+        self.sampling, self.group_size, self.prompts_per_step = s.sampling, s.group_size, s.prompts_per_step
+        self.seed, self.rank, self.world, self.device = s.seed, rank, world, torch.device(device)
+        self.eos_ids = torch.tensor(s.eos_ids, dtype=torch.long)
+        self.step_rule, self.process_reward, self.prm_stop_below = s.step_rule, s.process_reward, s.prm_stop_below
+        self.partial_budget = s.partial_budget
+        self.rounds_agree = rounds_agree
+        self.cost_component = s.cost_component  # reward.constraint's cost: its scores go to Experience.cost
         self.version = 0
         # partial rollouts: responses not ended, and ended groups waiting for a batch
         self.pending: list[PartialResponse] = []
@@ -214,7 +234,7 @@ class Collector:
     # --- sampling and scoring -----------------------------------------------------------------
     def timed_generate(self, prompt_ids, prompt_mask, params: SamplingParams, generator) -> RolloutBatch:
         started = time.perf_counter()
-        batch = self.generate(prompt_ids, prompt_mask, params, generator=generator)
+        batch = self.sampler.generate(prompt_ids, prompt_mask, params, generator=generator)
         self._generate_s.append(time.perf_counter() - started)
         self._sampled[1] += float(batch.response_mask.sum())
         return batch
