@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from posttrain.algorithms.online.module import rollout_metrics
+from posttrain.algorithms.online.rollouts import rollout_metrics
 
 from conftest import FAST_RUN, module_from_config, rollout_batch
 from posttrain import core

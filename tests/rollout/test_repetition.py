@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.algorithms.online.module import rollout_metrics
+from posttrain.algorithms.online.rollouts import rollout_metrics
 from omegaconf import OmegaConf
 
 from posttrain.data.arithmetic import ALPHABET, ArithmeticTask, Problem

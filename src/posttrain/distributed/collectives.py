@@ -29,6 +29,14 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     return all_reduced(x, dist.ReduceOp.MAX)
 
 
+def any_rank_needs(need: int) -> bool:
+    """Whether `need` > 0 on some rank: the ranks run a loop (dynamic sampling's rounds) as long
+    as any of them still needs to. The count travels on the device the backend reduces on."""
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+    return bool(all_reduce_max(torch.tensor(need, device=device)) > 0)
+
+
 def all_reduced(x: torch.Tensor, op) -> torch.Tensor:
     if rank_and_world()[1] == 1:
         return x

@@ -80,7 +80,7 @@ class Scoring:
 @dataclass
 class Steppers:
     """What the learner steps with, from the module: `backward(loss)` (the precision plugin's),
-    `optimizers()` and `schedulers()` (the policy's first, then each role's), `clip(optimizer,
+    `optimizers()` and `schedulers()` (Lightning's: one, or a list with the policy's first, then each role's), `clip(optimizer,
     parameters, max_norm, norm)`, and `policy_stepped()` after each policy step."""
 
     backward: Callable
@@ -186,7 +186,7 @@ class Learner:
 
     def minibatch_step(self, exp: Experience, train_policy: bool, stand_in: Experience | None = None) -> dict[str, float]:
         """One optimiser step per trainable role over a minibatch (`stand_in`: see accumulate_gradients)."""
-        optimizers = self.steppers.optimizers()
+        optimizers = as_list(self.steppers.optimizers())
         for optimizer in optimizers:
             optimizer.zero_grad()
         sums = self.accumulate_gradients(exp, train_policy, stand_in)
@@ -267,7 +267,7 @@ class Learner:
         """Average gradients over ranks, skip (and count) a step whose gradient norm is not
         finite, clip, step, advance the schedule. Optimiser 0 is the policy's: its steps are
         Lightning's global step; a role's (index > 0) are not."""
-        optimizer = self.steppers.optimizers()[index]
+        optimizer = as_list(self.steppers.optimizers())[index]
         parameters = list(parameters)
         average_gradients(parameters)
         grads = [p.grad for p in parameters if p.grad is not None]
@@ -279,7 +279,7 @@ class Learner:
             return norm
         if max_norm:
             self.steppers.clip(optimizer, parameters, max_norm, total)
-        schedule = self.steppers.schedulers()[index]
+        schedule = as_list(self.steppers.schedulers())[index]
         if index == 0:
             optimizer.step()
             schedule.step()
@@ -288,6 +288,11 @@ class Learner:
             optimizer.optimizer.step()  # the raw optimiser: not one of Lightning's global steps
             schedule.step()
         return norm
+
+
+def as_list(items) -> list:
+    """Lightning's optimizers() / lr_schedulers(): one object, or a list when there are several."""
+    return items if isinstance(items, list) else [items]
 
 
 def mismatch_metrics(sums: dict[str, float], device) -> dict[str, float]:

@@ -46,7 +46,7 @@ from posttrain.algorithms.online.learner import LEARNER_OPTIONS, Learner, Scorin
 from posttrain.algorithms.online.parts import in_hook_order, model_parts, reward_parts, update_parts
 from posttrain.algorithms.online.parts import ptx as ptx_part
 from posttrain.algorithms.online.parts.mismatch import correction_of
-from posttrain.algorithms.online.rollouts import Rollouts
+from posttrain.algorithms.online.rollouts import Rollouts, rollout_metrics, sampling_params
 from posttrain.algorithms.online.sampler import PolicySampler
 from posttrain.algorithms.online.terms import EntropyTerm, PolicyTerm
 from posttrain.core.options import resolve_options
@@ -55,10 +55,8 @@ from posttrain.data.datamodule import ExampleCursor
 from posttrain.distributed.collectives import all_reduce_sum, is_dtensor, rank_and_world, this_ranks, with_every_rank
 from posttrain.distributed.sharding import full_weights
 from posttrain.errors import ConfigError
-from posttrain.models.loading import DTYPES, stop_token_ids
+from posttrain.models.loading import stop_token_ids
 from posttrain.rewards import build_reward
-from posttrain.rollout import SamplingParams
-from posttrain.rollout.repetition import repetition_rule
 
 # The model roles a part may bring (attributes of the module, so Lightning moves and shards them).
 ROLES = ("reference", "critic", "teacher")
@@ -99,7 +97,8 @@ class OnlineRLModule(PosttrainModule):
             raise ConfigError(f"advantage={advantage.name!r} is not one of {sorted(core.ADVANTAGE_ESTIMATORS)}")
         self.advantage_name = advantage.name
         self.advantage_options = {k: v for k, v in advantage.items() if k != "name"}
-        self.scoring = Scoring(self.sampling_params().logprob_temperature, settings["keep_sampling_mask"])
+        self.sampling = sampling_params(rollout, settings["keep_sampling_mask"])
+        self.scoring = Scoring(self.sampling.logprob_temperature, settings["keep_sampling_mask"])
 
         # the parts that are on, their roles registered here (Lightning moves and shards them)
         parts = model_parts(policy, roles, kl_estimator=kl_estimator, advantage_name=advantage.name,
@@ -110,8 +109,8 @@ class OnlineRLModule(PosttrainModule):
         self.reward_fn = build_reward(reward, source, rollout.max_new_tokens, policy=policy, tokenizer=tokenizer)
         parts += reward_parts(reward, self.reward_fn, source, rollout, advantage_name=advantage.name,
                               kl_in_reward=reference is not None and reference.in_reward)
-        steppers = Steppers(backward=self.manual_backward, optimizers=self.optimizer_list,
-                            schedulers=self.scheduler_list, clip=self.clip_by_norm, policy_stepped=self.policy_updated)
+        steppers = Steppers(backward=self.manual_backward, optimizers=self.optimizers, schedulers=self.lr_schedulers,
+                            clip=self.clip_by_norm, policy_stepped=self.policy_updated)
         parts += update_parts(policy, tokenizer, source, rollout, steppers,
                               ptx={o.name: settings[o.name] for o in ptx_part.OPTIONS}, seed=seed)
         self.parts = in_hook_order(parts)
@@ -153,7 +152,7 @@ class OnlineRLModule(PosttrainModule):
         collect_options = {}
         for part in self.parts:
             collect_options.update(getattr(part, "collect_options", dict)())
-        settings = CollectSettings(self.sampling_params(), self.group_size, self.prompts_per_step, self.seed,
+        settings = CollectSettings(self.sampling, self.group_size, self.prompts_per_step, self.seed,
                                    self.sampler.eos_ids, partial_budget=self.rollouts.partial_budget, **collect_options)
         self.rollouts.build(self.sampler, self.tokenizer, self.source, self.curriculum, self.reward_fn, settings,
                             self.device)
@@ -167,14 +166,6 @@ class OnlineRLModule(PosttrainModule):
         policy = self.make_optimizer(self.learner.policy_parameters(), self.optim)
         roles = [self.make_optimizer(part.role_parameters(), part.role_optim) for part in self.learner.roles]
         return [policy, *roles] if roles else policy
-
-    def optimizer_list(self) -> list:
-        optimizers = self.optimizers()
-        return optimizers if isinstance(optimizers, list) else [optimizers]
-
-    def scheduler_list(self) -> list:
-        schedules = self.lr_schedulers()
-        return schedules if isinstance(schedules, list) else [schedules]
 
     def frozen_roles(self) -> list[str]:
         return [role for role in FROZEN_ROLES if getattr(self, role) is not None]
@@ -282,16 +273,6 @@ class OnlineRLModule(PosttrainModule):
         return next((part for part in self.parts if part.name == name), None)
 
     # --- 1. collect ----------------------------------------------------------------------------
-    def sampling_params(self) -> SamplingParams:
-        r = self.rollout_cfg
-        # looping responses are stopped and flagged (rollout.repetition; evaluation does not use it)
-        # rollout.dtype: the fast sampler rounds its weights to it; vLLM took it when it started
-        dtype = r.get("dtype", "auto")
-        weights_dtype = DTYPES[dtype] if dtype != "auto" and r.engine != "vllm" else None
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, return_support=self.settings["keep_sampling_mask"],
-                              repetition=repetition_rule(r.get("repetition")), weights_dtype=weights_dtype)
-
     def collect(self, step: int) -> tuple[Experience, dict, bool]:
         """Rollout batch `step`, with what the ranks must agree on all-reduced (rollouts.py)."""
         return self.rollouts.next(step, self.curriculum)
@@ -353,26 +334,6 @@ def refuse_unknown_keys(algorithm: dict) -> None:
     unknown = sorted(set(algorithm) - set(algorithm_keys()))
     if unknown:
         raise ConfigError(f"algorithm: unknown key(s) {unknown}; valid keys: {', '.join(algorithm_keys())}")
-
-
-def rollout_metrics(exp: Experience) -> dict[str, float]:
-    lengths = exp.response_mask.sum(dim=1)
-    informative = core.informative_groups(exp.scores, exp.group_index)
-    flat_groups = exp.group_index[~informative].unique().numel() / exp.group_index.unique().numel()
-    metrics = {
-        "rollout/reward_mean": float(exp.scores.mean()),
-        "rollout/reward_std": float(exp.scores.std()) if len(exp.scores) > 1 else 0.0,
-        "rollout/response_len_mean": float(lengths.mean()),
-        "rollout/truncated_frac": float(exp.truncated.float().mean()),
-        "rollout/frac_zero_std_groups": flat_groups,
-    }
-    if exp.repeated is not None:
-        metrics["rollout/repetition_frac"] = float(exp.repeated.float().mean())
-    if exp.prm_stopped is not None:
-        metrics["rollout/prm_stop_frac"] = float(exp.prm_stopped.float().mean())
-    if not torch.isnan(exp.correct).any():
-        metrics["rollout/accuracy"] = float(exp.correct.mean())
-    return metrics
 
 
 def autocast_dtype(precision) -> torch.dtype | None:

@@ -12,14 +12,29 @@ import math
 
 import torch
 
+from posttrain import core
 from posttrain.algorithms.experience import Experience
 from posttrain.algorithms.online.collect import Collector, CollectSettings
 from posttrain.algorithms.online.producer import InlineProducer, ProcessProducer
 from posttrain.algorithms.online.sampler import PolicySampler
 from posttrain.algorithms import rules
-from posttrain.distributed.collectives import (all_reduce_max, all_reduce_sum, rank_and_world, this_ranks,
-                                               with_every_rank)
-from posttrain.rollout import build_rollout, engine_options
+from posttrain.distributed.collectives import (all_reduce_max, all_reduce_sum, any_rank_needs, rank_and_world,
+                                               this_ranks, with_every_rank)
+from posttrain.models.loading import DTYPES
+from posttrain.rollout import SamplingParams, build_rollout, engine_options
+from posttrain.rollout.repetition import repetition_rule
+
+
+def sampling_params(rollout, keep_sampling_mask: bool) -> SamplingParams:
+    """How the training samples are drawn, from the `rollout` node: looping responses are
+    stopped and flagged (rollout.repetition; evaluation does not use it); rollout.dtype rounds
+    the fast sampler's weights (vLLM took it when it started); the kept top-k/top-p support is
+    returned when the log-probs are taken over it (keep_sampling_mask)."""
+    dtype = rollout.get("dtype", "auto")
+    weights_dtype = DTYPES[dtype] if dtype != "auto" and rollout.engine != "vllm" else None
+    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                          top_p=rollout.top_p, top_k=rollout.top_k, return_support=keep_sampling_mask,
+                          repetition=repetition_rule(rollout.get("repetition")), weights_dtype=weights_dtype)
 
 
 class Rollouts:
@@ -46,7 +61,7 @@ class Rollouts:
         rank, world = rank_and_world()
         self.device = device
         self.collector = Collector(sampler, tokenizer, source, curriculum, reward_fn, settings, rank=rank,
-                                   world=world, device=device, rounds_agree=self.any_rank_needs)
+                                   world=world, device=device, rounds_agree=any_rank_needs)
         if self.kind == "inline":
             self.producer = InlineProducer(self.collector)
             return
@@ -57,11 +72,6 @@ class Rollouts:
                                           copy.deepcopy(sampler.model).cpu(), sampler.eos_ids, sampler.pad_token_id)
         self.producer = ProcessProducer(collector, self.max_staleness, threads=self.threads or torch.get_num_threads())
         self.producer.launch()  # now: its imports (seconds) overlap the trainer's own start-up
-
-    def any_rank_needs(self, need: int) -> bool:
-        """Whether some rank's batch still needs groups: the ranks take the same number of
-        sampling rounds (the synchronous pipeline's dynamic sampling)."""
-        return bool(all_reduce_max(torch.tensor(need, device=self.device)) > 0)
 
     def start(self, index: int, policy, autocast_dtype) -> None:
         if isinstance(self.producer, ProcessProducer):
@@ -143,3 +153,24 @@ class Rollouts:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
         if self.partial_budget and "partial_rollouts" in checkpoint:
             self.collector_state = this_ranks(checkpoint, "partial_rollouts")
+
+
+def rollout_metrics(exp: Experience) -> dict[str, float]:
+    """`rollout/*` of this rank's batch as trained on (after the parts' changes to its rewards)."""
+    lengths = exp.response_mask.sum(dim=1)
+    informative = core.informative_groups(exp.scores, exp.group_index)
+    flat_groups = exp.group_index[~informative].unique().numel() / exp.group_index.unique().numel()
+    metrics = {
+        "rollout/reward_mean": float(exp.scores.mean()),
+        "rollout/reward_std": float(exp.scores.std()) if len(exp.scores) > 1 else 0.0,
+        "rollout/response_len_mean": float(lengths.mean()),
+        "rollout/truncated_frac": float(exp.truncated.float().mean()),
+        "rollout/frac_zero_std_groups": flat_groups,
+    }
+    if exp.repeated is not None:
+        metrics["rollout/repetition_frac"] = float(exp.repeated.float().mean())
+    if exp.prm_stopped is not None:
+        metrics["rollout/prm_stop_frac"] = float(exp.prm_stopped.float().mean())
+    if not torch.isnan(exp.correct).any():
+        metrics["rollout/accuracy"] = float(exp.correct.mean())
+    return metrics
