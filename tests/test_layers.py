@@ -25,6 +25,7 @@ LAYERS = (
     ("rewards",),                             # a rollout batch -> reward samples
     ("algorithms", "prepare"),                # the LightningModules; what is made once before training
     ("config", "eval"),                       # what conf/ accepts; posttrain-eval, best-of-N, report
+    ("estimate",),                            # the memory check, posttrain-estimate: composes and checks a config
     ("train",),                               # the recipe: nothing imports it
 )
 LOOSE_MODULES = ("train", "errors", "files")  # the only modules allowed at src/posttrain/

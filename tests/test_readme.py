@@ -122,7 +122,7 @@ def as_process(arguments: list[str]) -> list[str]:
     if arguments[0] == "posttrain-report":
         return [sys.executable, "-m", "posttrain.eval.report", *arguments[1:]]
     if arguments[0] == "posttrain-estimate":
-        return [sys.executable, "-m", "posttrain.config.estimate", *arguments[1:]]
+        return [sys.executable, "-m", "posttrain.estimate", *arguments[1:]]
     if arguments[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *arguments[1:]]
     if arguments[0] == "python":  # a script of the repository, by its path from the repository root

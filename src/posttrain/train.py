@@ -35,10 +35,10 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     import torch
 
     from posttrain.config.check import check_config
-    from posttrain.config.memory import check_memory_fits
     from posttrain.data.datamodule import PosttrainDataModule
     from posttrain.data.sources import build_source
     from posttrain.distributed.sharding import consolidated_model
+    from posttrain.estimate.memory import check_memory_fits
     from posttrain.files import write_json_atomic
     from posttrain.models.loading import load_tokenizer_and_model
     from posttrain.models.lora import export_model

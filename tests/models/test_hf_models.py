@@ -17,7 +17,7 @@ from torch import nn
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.config.check import check_config
 from posttrain.errors import ConfigError
-from posttrain.config import memory
+from posttrain.estimate import memory
 from posttrain.models import loading
 from posttrain.models.loading import load_tokenizer_and_model, stop_token_ids
 from posttrain.rollout import SamplingParams
@@ -238,7 +238,7 @@ def test_a_model_near_the_device_memory_warns_and_one_that_fits_passes(tiny_hf_m
     directory = tiny_hf_model("qwen2")
     cfg = compose_config(["model=hf", f"model.name_or_path={directory}", "algorithm=sft"])
     needed = 16 * parameters_of(directory)
-    with caplog.at_level(logging.WARNING, logger="posttrain.config.memory"):
+    with caplog.at_level(logging.WARNING, logger="posttrain.estimate.memory"):
         with_device_memory(monkeypatch, needed / 0.9)
         memory.check_memory_fits(cfg)
         assert len(caplog.records) == 1 and "90%" in caplog.records[0].getMessage()

@@ -1,11 +1,11 @@
 """What a step costs, from the shapes alone: bytes held and floating-point operations done by
 the pieces of an online-RL step (generation, scoring forwards, the update), and lower bounds on
 their time on a device of given peak speed. Pure arithmetic on integers (no tensors): the
-estimator (config/estimate.py) puts the pieces together for a configured run.
+estimator (estimate/) puts the pieces together for a configured run.
 
 The activation counts follow what this codebase's training forward saves for the backward
 (models/grouped_forward.py), per token and decoder layer, in elements (counted on the autograd
-graph of the tiny model: tests/config/test_estimate.py):
+graph of the tiny model: tests/estimate/test_estimate.py):
 
 * ``4 H``: the inputs of the two RMS norms (the layer's input, the residual after attention)
   and their normalised outputs, which the q/k/v and gate/up matmuls read;

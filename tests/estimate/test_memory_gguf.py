@@ -1,4 +1,4 @@
-"""config/memory.py on a GGUF model (`gguf:<package>` or a `.gguf` file): its parameters are counted
+"""estimate/memory.py on a GGUF model (`gguf:<package>` or a `.gguf` file): its parameters are counted
 before the first conversion, from the tensor shapes in the file's header, and from the converted
 Hugging Face directory once the cache holds one, so the memory check runs for it either way.
 The GGUF is the small SmolLM2-shaped one of tests/gguf_files.py."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from posttrain.config import memory
 from posttrain.errors import ConfigError
+from posttrain.estimate import memory
 from posttrain.models import loading
 from posttrain.models.gguf import hf_directory
 

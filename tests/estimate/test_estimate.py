@@ -1,4 +1,4 @@
-"""posttrain-estimate (config/estimate.py): its counts against built models and the autograd
+"""posttrain-estimate (the estimate/ package): its counts against built models and the autograd
 graph of the real training forward, how its terms scale, and the command line.
 
 Its memory and time predictions against measured runs: benchmarks/estimate_vs_measured.py
@@ -12,8 +12,8 @@ import pytest
 import torch
 from gguf_files import real
 
-from posttrain.config import estimate as estimate_module
-from posttrain.config.estimate import composed_config, estimate
+from posttrain.estimate import batch, command, speed
+from posttrain.estimate.estimator import composed_config, estimate
 
 GRPO = ["algorithm=grpo", "algorithm.warm_start.steps=0"]
 
@@ -128,13 +128,13 @@ def test_a_pretrained_model_is_estimated_from_its_config_without_reading_its_wei
 
 
 def test_the_command_prints_the_tables_and_json(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(estimate_module, "measure_cpu", lambda threads, dtype: {"name": "stub", "flops": 1e9,
+    monkeypatch.setattr(speed, "measure_cpu", lambda threads, dtype: {"name": "stub", "flops": 1e9,
                                                                          "bandwidth": 1e9})
-    estimate_module.main([*GRPO, f"paths.cache_dir={tmp_path}"])
+    command.main([*GRPO, f"paths.cache_dir={tmp_path}"])
     out = capsys.readouterr().out
     for heading in ("parameters per role", "memory per device by stage", "peak:", "lower bounds on seconds"):
         assert heading in out
-    estimate_module.main([*GRPO, f"paths.cache_dir={tmp_path}", "--json", "--device", "h100"])
+    command.main([*GRPO, f"paths.cache_dir={tmp_path}", "--json", "--device", "h100"])
     result = json.loads(capsys.readouterr().out)
     assert list(result["seconds"]) == ["h100"]
     assert result["peak"]["peak"] == max(v for k, v in result["peak"].items() if k != "peak")
@@ -149,13 +149,13 @@ def test_this_cpu_is_measured_once_and_cached(tmp_path, monkeypatch):
         calls.append(dtype)
         return {"name": "stub", "flops": 2e9 if dtype == torch.float32 else 4e9, "bandwidth": 1e9}
 
-    monkeypatch.setattr(estimate_module, "measure_cpu", measured)
-    first = estimate_module.cpu_speed(tmp_path)
-    second = estimate_module.cpu_speed(tmp_path)
+    monkeypatch.setattr(speed, "measure_cpu", measured)
+    first = speed.cpu_speed(tmp_path)
+    second = speed.cpu_speed(tmp_path)
     assert first == second and calls == [torch.float32]
     # a bf16 run is bounded by the bf16 matmul speed, measured once too
-    assert estimate_module.cpu_speed(tmp_path, torch.bfloat16)["flops"] == 4e9
-    estimate_module.cpu_speed(tmp_path, torch.bfloat16)
+    assert speed.cpu_speed(tmp_path, torch.bfloat16)["flops"] == 4e9
+    speed.cpu_speed(tmp_path, torch.bfloat16)
     assert calls == [torch.float32, torch.bfloat16]
 
 
@@ -167,7 +167,7 @@ def test_this_cpu_is_measured_once_and_cached(tmp_path, monkeypatch):
 ])
 def test_a_bad_argument_is_one_error_line_and_exit_1(arguments, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        estimate_module.main([*GRPO, f"paths.cache_dir={tmp_path}", *arguments])
+        command.main([*GRPO, f"paths.cache_dir={tmp_path}", *arguments])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("posttrain-estimate: error:") and message in err and "Traceback" not in err
@@ -196,7 +196,7 @@ def test_a_pretrained_model_with_a_given_prompt_length_reads_no_data(embedded_hf
     def unreachable(data_cfg):
         raise DataError("data.path='some/hub_dataset' could not be loaded")
 
-    monkeypatch.setattr(estimate_module, "build_source", unreachable)
+    monkeypatch.setattr(batch, "build_source", unreachable)
     overrides = [*GRPO, "model=hf", f"model.name_or_path={embedded_hf_model}"]
     assert estimated(overrides, tmp_path, prompt_tokens=12).batch["prompt_tokens"] == 12
     with pytest.raises(DataError, match="--prompt-tokens N"):

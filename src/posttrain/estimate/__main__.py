@@ -1,0 +1,5 @@
+"""`python -m posttrain.estimate <overrides>`: the `posttrain-estimate` command."""
+
+from posttrain.estimate.command import main
+
+main()
