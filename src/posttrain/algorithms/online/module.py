@@ -41,6 +41,7 @@ from posttrain import core
 from posttrain.algorithms import rules
 from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.experience import Experience
+from posttrain.algorithms.formulas import check_formulas, resolve_formulas
 from posttrain.algorithms.online.collect import CollectSettings
 from posttrain.algorithms.online.learner import LEARNER_OPTIONS, Learner, Scoring, Steppers
 from posttrain.algorithms.online.parts import in_hook_order, model_parts, reward_parts, update_parts
@@ -87,16 +88,12 @@ class OnlineRLModule(PosttrainModule):
         self.group_size = settings["group_size"]
         self.reward_cfg = reward
 
-        # the policy loss and the advantage estimator (their declared options), the scoring rule
-        loss_options = {k: v for k, v in algorithm.items() if k not in own and k not in PART_NODES}
-        self.policy_loss = loss_options.pop("policy_loss", "ppo_clip")
-        self.loss_options = loss_options
-        self.aggregation = dict(agg_mode=settings["loss_agg_mode"], count_empty_rows=settings["count_empty_rows"],
-                                norm_constant=settings["norm_constant"] or rollout.max_new_tokens)  # Dr. GRPO: the budget
-        if advantage.name not in core.ADVANTAGE_ESTIMATORS:
-            raise ConfigError(f"advantage={advantage.name!r} is not one of {sorted(core.ADVANTAGE_ESTIMATORS)}")
-        self.advantage_name = advantage.name
-        self.advantage_options = {k: v for k, v in advantage.items() if k != "name"}
+        # the policy loss, the advantage and KL estimators (formulas.py), checked on a dummy batch
+        self.formulas = resolve_formulas(algorithm, advantage, kl_estimator, rollout.max_new_tokens)
+        check_formulas(self.formulas)
+        self.policy_loss, self.loss_options = self.formulas.policy_loss_name, self.formulas.loss_options
+        self.aggregation = self.formulas.aggregation
+        self.advantage_name, self.advantage_options = self.formulas.advantage_name, self.formulas.advantage_options
         self.sampling = sampling_params(rollout, settings["keep_sampling_mask"])
         self.scoring = Scoring(self.sampling.logprob_temperature, settings["keep_sampling_mask"])
 
@@ -105,7 +102,6 @@ class OnlineRLModule(PosttrainModule):
                             critic=algorithm.get("critic"), distill=algorithm.get("distill"), scoring=self.scoring,
                             batches_seen=lambda: self.train_batches_seen)
         reference = next((p for p in parts if p.name == "reference"), None)
-        check_core_options(self, reference)
         self.reward_fn = build_reward(reward, source, rollout.max_new_tokens, policy=policy, tokenizer=tokenizer)
         parts += reward_parts(reward, self.reward_fn, source, rollout, advantage_name=advantage.name,
                               kl_in_reward=reference is not None and reference.in_reward)
@@ -114,12 +110,12 @@ class OnlineRLModule(PosttrainModule):
         parts += update_parts(policy, tokenizer, source, rollout, steppers,
                               ptx={o.name: settings[o.name] for o in ptx_part.OPTIONS}, seed=seed)
         self.parts = in_hook_order(parts)
-        built = {role: model for part in self.parts for role, model in getattr(part, "roles", dict)().items()}
+        built = {role: model for part in self.parts for role, model in part.roles().items()}
         for role in ROLES:
             setattr(self, role, built.get(role))
 
         # the learner: the policy's terms, then each part's
-        self.policy_term = PolicyTerm(self.policy_loss, self.loss_options, settings["offpolicy_mask_delta"],
+        self.policy_term = PolicyTerm(self.formulas.policy_loss, self.loss_options, settings["offpolicy_mask_delta"],
                                       correction_of(rollout))
         terms = [self.policy_term, EntropyTerm(settings["entropy_coef"])]
         terms += [term for part in self.parts for term in part.policy_terms()]
@@ -151,7 +147,7 @@ class OnlineRLModule(PosttrainModule):
                                      self.tokenizer.pad_token_id)
         collect_options = {}
         for part in self.parts:
-            collect_options.update(getattr(part, "collect_options", dict)())
+            collect_options.update(part.collect_options())
         settings = CollectSettings(self.sampling, self.group_size, self.prompts_per_step, self.seed,
                                    self.sampler.eos_ids, partial_budget=self.rollouts.partial_budget, **collect_options)
         self.rollouts.build(self.sampler, self.tokenizer, self.source, self.curriculum, self.reward_fn, settings,
@@ -309,8 +305,7 @@ class OnlineRLModule(PosttrainModule):
             metrics.update(part_metrics)
         exp.token_rewards = token_rewards
         # batch statistics (whitening, scale=batch) are those of every rank's rows together
-        exp.advantages, exp.returns = core.compute_advantages(self.advantage_name, token_rewards, mask,
-                                                              exp.group_index, values=exp.values,
+        exp.advantages, exp.returns = self.formulas.advantage(token_rewards, mask, exp.group_index, values=exp.values,
                                                               batch_sum=all_reduce_sum,
                                                               **self.advantage_options, **options)
         for part in self.parts:  # a distillation reward, the critic's fit
@@ -327,7 +322,7 @@ def algorithm_keys() -> list[str]:
     """Every key an online `algorithm` node may hold besides `_target_`, `name`, `kind` and
     `warm_start`: the learner's and the parts' declared options, and the policy loss's."""
     declared = [option.name for option in LEARNER_OPTIONS + ptx_part.OPTIONS]
-    return [*declared, *PART_NODES, "policy_loss", *core.policy_loss._LOSS_OPTIONS]
+    return [*declared, *PART_NODES, "policy_loss", *core.loss_options()]
 
 
 def refuse_unknown_keys(algorithm: dict) -> None:
@@ -340,32 +335,3 @@ def autocast_dtype(precision) -> torch.dtype | None:
     """The autocast dtype of a Lightning precision setting (None: no autocast)."""
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
 
-
-def check_core_options(module: OnlineRLModule, reference) -> None:
-    """Run the configured advantage, policy loss and KL estimator once on a dummy batch of two
-    one-token samples, so that an option a formula does not take (dual_clip with gspo, a clamp
-    on an estimator without one) or a bad value is a ConfigError at start-up, not a crash at
-    the first step."""
-    ones = torch.ones(2, 1)
-    values = ones if module.advantage_name == "gae" else None
-    steps = {"step_mask": ones.bool()} if module.advantage_name == "prm_step" else {}
-    try:
-        core.compute_advantages(module.advantage_name, ones, ones, torch.tensor([0, 0]), values=values,
-                                **module.advantage_options, **steps)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"advantage={module.advantage_name}: {err}") from None
-    if module.policy_loss not in core.POLICY_LOSSES:
-        raise ConfigError(f"algorithm.policy_loss={module.policy_loss!r} is not one of {sorted(core.POLICY_LOSSES)}")
-    if module.aggregation["agg_mode"] not in core.AGGREGATION_MODES:
-        raise ConfigError(f"algorithm.loss_agg_mode={module.aggregation['agg_mode']!r} is not one of "
-                          f"{core.AGGREGATION_MODES}")
-    try:
-        core.compute_policy_loss(module.policy_loss, ones, ones, ones, ones, **module.loss_options,
-                                 **module.aggregation)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"algorithm.policy_loss={module.policy_loss}: {err}") from None
-    if reference is not None:
-        try:
-            core.kl_penalty(reference.kl_name, ones, ones, ones, **reference.kl_options)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"kl_estimator={reference.kl_name}: {err}") from None

@@ -10,6 +10,8 @@ Each hook is called at one place of the step (module.py, learner.py), in the ord
 parts list, and does nothing by default. A part overrides the few it needs:
 
   options       its declared options (core.options.Option), read at start-up and by --help
+  roles         the models it brings (the module registers them: Lightning moves and shards them)
+  collect_options  settings of the collector (a process reward's step rule, the constraint's cost)
   scorers       annotate: Experience fields it fills before the update (ref_logp, values, ...)
   after_collect the batch as consumed, before annotate (the constraint's penalty)
   shape_rewards the per-token rewards before the advantage estimator (KL in the reward, step
@@ -39,6 +41,12 @@ class Part:
 
     def setup(self, rank: int, world: int) -> None:
         """When the process's rank is known (Lightning's setup)."""
+
+    def roles(self) -> dict:
+        return {}
+
+    def collect_options(self) -> dict:
+        return {}
 
     def scorers(self) -> list[tuple[str, object]]:
         return []
