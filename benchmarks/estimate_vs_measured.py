@@ -188,6 +188,7 @@ def composed(overrides: list[str], output_dir: Path):
 def measure(case: str, steps: int, threads: int, extra: list[str]) -> dict:
     from posttrain import train
     from posttrain.algorithms import base, online
+    from posttrain.algorithms.online import module as online_module
     from posttrain.estimate.estimator import estimate
 
     torch.set_num_threads(threads)
@@ -195,7 +196,7 @@ def measure(case: str, steps: int, threads: int, extra: list[str]) -> dict:
                                         f"callbacks.checkpoint.every_n_train_steps={steps + 1}", f"num_threads={threads}",
                                         *extra]
     recorder = StepRecorder(profiled=set(range(2, steps)))
-    with recorder.installed(online.OnlineRLModule, (base, online)), tempfile.TemporaryDirectory() as run_dir:
+    with recorder.installed(online.OnlineRLModule, (base, online_module)), tempfile.TemporaryDirectory() as run_dir:
         cfg = composed(overrides, Path(run_dir))
         started = time.perf_counter()
         train.run(cfg, announce=False)

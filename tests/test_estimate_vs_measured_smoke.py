@@ -12,9 +12,10 @@ from conftest import load_benchmark
 
 def test_a_short_run_is_measured_stage_by_stage_and_compared(tmp_path, capsys):
     from posttrain.algorithms import base, online
+    from posttrain.algorithms.online import module as online_module
 
     benchmark = load_benchmark("estimate_vs_measured")
-    originals = (online.OnlineRLModule.training_step, online.OnlineRLModule.update, online.stop_token_ids,
+    originals = (online.OnlineRLModule.training_step, online.OnlineRLModule.update, online_module.stop_token_ids,
                  base.stop_token_ids)
     out = tmp_path / "tiny.json"
     result = benchmark.main(["--case", "tiny", "--steps", "3", "--threads", "1", "--json", str(out),
@@ -22,7 +23,7 @@ def test_a_short_run_is_measured_stage_by_stage_and_compared(tmp_path, capsys):
                              f"paths.cache_dir={tmp_path / 'cache'}"])
     assert json.loads(out.read_text())["case"] == "tiny"
     # what the run patched is put back: later tests in this process see the real module
-    assert (online.OnlineRLModule.training_step, online.OnlineRLModule.update, online.stop_token_ids,
+    assert (online.OnlineRLModule.training_step, online.OnlineRLModule.update, online_module.stop_token_ids,
             base.stop_token_ids) == originals
     assert "step peak" in capsys.readouterr().out
     # every response ran to the budget: the estimate is taken at the widths the run had
