@@ -31,7 +31,8 @@ LAYERS = (
 LOOSE_MODULES = ("train", "errors", "files")  # the only modules allowed at src/posttrain/
 # An import inside a function body must say why it is not at the top: one of these words in a
 # comment on the line above its block of imports, or on the line of one of them. "cache key":
-# an SFT run must not import the RL modules its warm start's cache key leaves out.
+# the import sits in a branch an SFT run never takes, and the warm start's cache key
+# (prepare/source_key.py) does not follow it.
 LAZY_REASONS = ("start-up", "optional", "cache key")
 
 

@@ -43,7 +43,6 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     from posttrain.models.loading import load_tokenizer_and_model
     from posttrain.models.lora import export_model
     from posttrain.prepare.warm_start import warm_start
-    from posttrain.rewards.build import check_user_functions
     from posttrain.run.callbacks import RunRecord, build_callbacks
     from posttrain.run.checkpoints import (
         check_checkpoint_algorithm,
@@ -75,10 +74,13 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # --- prepare: what is made once before training and cached ---------------------------------
-    # (the modules of teachers, pairs and step rows are imported in their branches below, for the
-    # cache key: an SFT run, the warm start itself, must not import them; prepare/cache.py NOT_IN_SFT)
+    # (the modules of rewards, teachers, pairs and step rows are imported in their branches below,
+    # for the cache key: an SFT run, the warm start itself, runs none of them, and
+    # prepare/source_key.py follows no import marked "cache key")
     source = build_source(cfg.data)
     if cfg.algorithm.kind == "online":  # a bug in the user's reward function costs seconds, not a warm start
+        from posttrain.rewards.build import check_user_functions  # cache key
+
         check_user_functions(cfg.reward, source, cfg.rollout.max_new_tokens)
     start_dir = warm_start(cfg, train=run)
     if start_dir is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from posttrain.distributed.collectives import job_rank_and_size
 from posttrain.errors import CheckpointError, ConfigError
+from posttrain.prepare.source_key import PACKAGE, source_digest
 
 log = logging.getLogger("posttrain")
 
@@ -140,37 +140,29 @@ def cache_lock(target: Path, label: str = "Warm start") -> Iterator[Path]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-# Source files an SFT run never imports (tests/run/test_sweeps.py checks it): the RL pipeline's
-# own modules, the ones edited most while iterating on an algorithm. Editing them must not
-# retrain every cached warm start; editing anything else (the model, data, SFT module,
-# core, rollout used by its held-out eval, this file) does.
-NOT_IN_SFT = ("algorithms/online.py", "algorithms/terms.py", "algorithms/experience.py", "models/roles.py",
-              "algorithms/reward_model.py", "algorithms/preference.py", "algorithms/prm.py", "prepare/teachers.py",
-              "prepare/preference_pairs.py", "prepare/step_rows.py", "eval/evaluate.py", "eval/best_of_n.py",
-              "eval/report.py", "eval/sample_dataset.py", "algorithms/collect.py", "algorithms/producer.py")
+# The modules an SFT run executes, where its import closure starts (prepare/source_key.py): the
+# recipe, whose `run` trains it, and the SFT module its config instantiates.
+SFT_ENTRIES = ("posttrain.train", "posttrain.algorithms.sft")
 
 
 @functools.cache
-def code_version() -> str:
+def code_version(entries: tuple[str, ...] = SFT_ENTRIES, root: Path = PACKAGE) -> str:
     """The code a warm start was trained with, for its cache key: posttrain's version, the
-    versions of the libraries whose numerics it depends on, and a hash of the contents of
-    posttrain's source files (those an SFT run imports). A content hash rather than the git
-    commit: it changes with uncommitted edits (a commit hash would not), stays the same
-    across commits that touch no such file (docs, configs of other runs, RL modules), and
-    needs no git checkout (an installed package, a copy on a cluster)."""
+    versions of the libraries whose numerics it depends on, and a hash of the contents of the
+    source files the SFT run depends on: the import closure of `entries` under `root` (a copy of
+    src/posttrain in tests), as prepare/source_key.py reads it. Editing a policy loss, a reward,
+    the RL module or a config rule leaves it unchanged; editing the SFT module, the model, the
+    data, the sampler of its held-out eval or the recipe changes it. A content hash rather than
+    the git commit: it changes with uncommitted edits (a commit hash would not), stays the same
+    across commits that touch no such file, and needs no git checkout (an installed package, a
+    copy on a cluster)."""
     import lightning  # start-up: the versions are read only when a cache key is made
     import torch
     import transformers
 
-    package = Path(__file__).resolve().parents[1]  # src/posttrain
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        name = path.relative_to(package).as_posix()
-        if name not in NOT_IN_SFT:
-            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     try:
         release = version("posttrain")
     except PackageNotFoundError:  # a checkout on the path, not installed
         release = "unreleased"
-    return (f"posttrain {release} source {digest.hexdigest()[:16]} torch {torch.__version__} "
+    return (f"posttrain {release} source {source_digest(entries, root)[:16]} torch {torch.__version__} "
             f"transformers {transformers.__version__} lightning {lightning.__version__}")

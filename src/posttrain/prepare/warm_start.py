@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from posttrain.conf import CONFIG_DIR
 from posttrain.errors import ConfigError
-from posttrain.prepare.cache import built_once, code_version
+from posttrain.prepare.cache import SFT_ENTRIES, built_once, code_version
 
 # The recipe's `run(cfg, announce=False)`: trains the SFT config and returns its summary.
 Train = Callable[..., dict]
@@ -134,7 +134,7 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
         sft_cfg.logger = {"backend": "none"}
     identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer", "eval"])
     identity_cfg.stop_at_accuracy = target_accuracy
-    identity_cfg.code = code_version()
+    identity_cfg.code = code_version(sft_entries(sft_cfg))
     identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
     identity_cfg.model.pop("lora", None)  # off in the warm start, whatever the RL run's adapter
     identity_cfg.eval.pop("panel", None)  # off in the warm start, whatever the RL run's panel
@@ -143,3 +143,24 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
     return sft_cfg, Path(cfg.paths.cache_dir) / folder / digest
 
 
+
+
+def sft_entries(sft_cfg: DictConfig) -> tuple[str, ...]:
+    """The modules the SFT run `sft_cfg` executes, where the import closure of its cache key
+    starts: the recipe, and the posttrain modules of the `_target_`s it instantiates (the
+    algorithm's module, a trainer's strategy), which no import statement names."""
+    targets = set()
+
+    def visit(node) -> None:
+        if isinstance(node, dict):
+            target = node.get("_target_")
+            if isinstance(target, str) and target.startswith("posttrain."):
+                targets.add(target.rpartition(".")[0])
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(OmegaConf.to_container(OmegaConf.masked_copy(sft_cfg, ["algorithm", "trainer"]), resolve=True))
+    return tuple(dict.fromkeys([*SFT_ENTRIES, *sorted(targets)]))
