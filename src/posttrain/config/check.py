@@ -14,9 +14,11 @@ One pass, three layers, every problem found reported together in one `ConfigErro
    fail only after the SFT warm start has trained. They run only when 1 and 2 pass, so
    they never see a value of the wrong type.
 
-What a key accepts, and the rules about it, live in the file of its config group: `rollout.*`
-in rollout.py, `algorithm.*` in algorithm.py, the top-level scalars in top_level.py. This file
-gathers them and runs the pass.
+What a key accepts, and the rules about it, live in the file of its concept: `rollout.*` in
+rollout.py, `algorithm.*` in algorithm.py, the model roles in roles.py, the models (policy,
+teacher) in models.py, the data (task, curriculum, preference pairs) in data.py, the rewards in
+rewards.py, a run's own keys (trainer, callbacks, logger, paths, eval, the top-level scalars) in
+run.py. This file gathers them and runs the pass.
 """
 
 from __future__ import annotations
@@ -26,15 +28,13 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from posttrain.config import (advantage, algorithm, callbacks, data, data_curriculum, eval, kl_estimator, logger, model,
-                              numerics, paths, preference, prm, reward, roles, rollout, teacher, top_level, trainer)
+from posttrain.config import advantage, algorithm, data, kl_estimator, models, numerics, rewards, roles, rollout, run
 from posttrain.config.dry_run import dry_run_problems
 from posttrain.config.spec import MISSING, Rule, Spec, Unusable, Values
 from posttrain.errors import ConfigError
 
 # The files that say what the keys of conf/ accept, one a config group (or top-level node).
-GROUP_FILES = (top_level, eval, roles, teacher, trainer, algorithm, rollout, data, model, kl_estimator, advantage,
-               reward, prm, data_curriculum, callbacks, logger, paths, numerics, preference)
+GROUP_FILES = (run, roles, models, algorithm, rollout, data, kl_estimator, advantage, rewards, numerics)
 
 
 def gather_specs() -> dict[str, Spec]:
@@ -66,8 +66,8 @@ RULES: tuple[Rule, ...] = (
     algorithm.preference_algorithm_reads_no_reward,
     algorithm.preference_algorithm_samples_in_process,
     algorithm.preference_options_fit_the_loss,
-    preference.preference_dataset_is_named,
-    preference.embedded_pairs_label_the_heads,
+    data.preference_dataset_is_named,
+    data.embedded_pairs_label_the_heads,
     advantage.online_algorithm_needs_an_advantage,
     advantage.advantage_fits_the_algorithm,
     advantage.groups_of_one_carry_no_signal,
@@ -76,27 +76,39 @@ RULES: tuple[Rule, ...] = (
     algorithm.sampling_mask_needs_a_sampling_filter,
     kl_estimator.kl_term_is_placed_and_controlled,
     data.digit_range_is_ordered,
-    eval.eval_split_has_data,
+    run.eval_split_has_data,
     data.dataset_columns_are_named,
-    data_curriculum.curriculum_has_what_it_reads,
-    reward.a_reward_model_path_needs_the_reward_model_component,
-    reward.a_constraint_reads_a_weightless_component,
+    data.curriculum_has_what_it_reads,
+    rewards.a_reward_model_path_needs_the_reward_model_component,
+    rewards.a_constraint_reads_a_weightless_component,
     roles.a_role_with_its_own_model_does_not_copy_the_policy,
     roles.a_sharded_policy_has_no_shared_critic,
-    model.a_pretrained_model_is_named,
-    model.trainable_weights_are_not_half_precision,
-    model.a_pretrained_model_ignores_no_setting,
-    model.tiny_model_heads_fit,
-    trainer.several_devices_need_the_data_parallel_strategy,
-    model.lora_export_and_start_are_loadable,
-    model.lora_is_not_sharded,
-    teacher.distillation_reads_a_teacher,
+    roles.a_role_in_use_is_configured,
+    models.a_pretrained_model_is_named,
+    models.trainable_weights_are_not_half_precision,
+    models.a_pretrained_model_ignores_no_setting,
+    models.tiny_model_heads_fit,
+    run.several_devices_need_the_data_parallel_strategy,
+    models.lora_export_and_start_are_loadable,
+    models.lora_is_not_sharded,
+    models.distillation_reads_a_teacher,
     algorithm.a_distillation_reward_is_its_own_advantage,
     algorithm.ptx_data_is_a_file_that_exists,
-    trainer.online_rl_steps_its_own_optimiser,
-    trainer.accelerator_is_present,
+    run.online_rl_steps_its_own_optimiser,
+    run.accelerator_is_present,
     rollout.vllm_rollout_can_run,
 )
+
+
+# The groups whose node may name the user's own estimator (`_target_`): the keys the built-ins
+# declare are then that estimator's own, checked against its declaration by the dry run
+# (algorithms/formulas.py), not against the built-ins' specs of the same name.
+USER_TARGET_GROUPS = {"advantage": advantage.OPTION_KEYS, "kl_estimator": kl_estimator.OPTION_KEYS}
+
+
+def declared_by_the_users_target(cfg: DictConfig, key: str) -> bool:
+    group, _, name = key.partition(".")
+    return name in USER_TARGET_GROUPS.get(group, ()) and OmegaConf.select(cfg, f"{group}._target_") is not None
 
 
 def spec_for(key: str) -> Spec | None:
@@ -152,7 +164,7 @@ def value_problems(cfg: DictConfig) -> tuple[list[str], set[str]]:
     problems, bad = [], set()
     for entry in entries(cfg):
         spec = spec_for(entry.key)
-        if not entry.is_leaf or spec is None:
+        if not entry.is_leaf or spec is None or declared_by_the_users_target(cfg, entry.key):
             continue
         if entry.value is MISSING:
             problems.append(f"{entry.key} has no value (???): expected {spec.expected}")

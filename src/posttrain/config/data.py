@@ -1,17 +1,24 @@
-"""What `data.*` accepts (conf/data/: the task source, its difficulty, templates and the
-columns of a dataset), and the rules that a source has what it reads."""
+"""What the data keys accept, by concept: data.* (the task source, its difficulty, templates and
+a dataset's columns), data_curriculum.* (which prompts a rollout batch draws) and preference.*
+(the preference pairs of kind: preference algorithms, embedded or from a dataset); and the
+rules that each source has what it reads."""
 
 from __future__ import annotations
 
-from posttrain.config.spec import (POSITIVE, SEED, Spec, Values, boolean, choice, integer, list_of, number, optional,
-                                   pattern, rule, text)
+from posttrain.config.spec import (POSITIVE, PROBABILITY, SEED, Spec, Values, boolean, choice, integer, list_of, number,
+                                   optional, pattern, rule, text)
 from posttrain.data.arithmetic import STYLES
+from posttrain.data.curriculum import CURRICULA
 from posttrain.data.hub import REQUIRED_COLUMNS
+from posttrain.data.preference import embedded_heads_problem
 from posttrain.data.sources import SOURCES, TRUNCATE_OPTIONS
 from posttrain.data.templates import TEMPLATES
 from posttrain.data.word_problems import OPERATIONS
 
-SPECS: dict[str, Spec] = {
+
+# --- data -------------------------------------------------------------------------------
+
+DATA_SPECS: dict[str, Spec] = {
     "data.source": choice(*SOURCES),
     "data.min_digits": integer(1),
     "data.max_digits": integer(1),
@@ -68,3 +75,88 @@ def dataset_columns_are_named(v: Values):
     for key in REQUIRED_COLUMNS.get(source, ()):
         if v.get(f"data.columns.{key}") is None:
             yield f"data.source={source} reads data.columns.{key}, which is null; name the column that holds it"
+
+
+# --- data_curriculum --------------------------------------------------------------------
+
+DATA_CURRICULUM_SPECS: dict[str, Spec] = {
+    "data_curriculum.name": choice(*CURRICULA),
+    "data_curriculum.max_extra_rounds": integer(0).about("extra generation rounds per step"),
+    "data_curriculum.filter_on": choice("reward", "accuracy"),
+    "data_curriculum.low": PROBABILITY.about("lowest pass rate kept"),
+    "data_curriculum.high": PROBABILITY.about("highest pass rate kept"),
+    "data_curriculum.pool_size": integer(1).about("prompts scored for their pass rate"),
+    "data_curriculum.milestones": list_of(integer(1)).about("rollout batches at which the difficulty rises"),
+    "data_curriculum.accuracy_threshold": optional(PROBABILITY),
+    "data_curriculum.max_level": integer(0),
+}
+
+
+@rule
+def curriculum_has_what_it_reads(v: Values):
+    if not v.online():
+        return
+    name = v.get("data_curriculum.name", "none")
+    if name == "pass_rate_filter" and v["data_curriculum.low"] > v["data_curriculum.high"]:
+        yield (f"data_curriculum.low={v['data_curriculum.low']} is larger than "
+               f"data_curriculum.high={v['data_curriculum.high']}; expected low <= high (the band of pass rates kept)")
+    if name == "difficulty_schedule":
+        if v.get("data.source") not in ("arithmetic", "word_problems"):
+            yield ("data_curriculum=difficulty_schedule raises the task's difficulty, which only data=arithmetic "
+                   f"and data=word_problems have (data.source={v.get('data.source')!r})")
+        if not v.get("data_curriculum.milestones") and v.get("data_curriculum.accuracy_threshold") is None:
+            yield ("data_curriculum=difficulty_schedule needs data_curriculum.milestones or "
+                   "data_curriculum.accuracy_threshold, or it never changes anything")
+    # correctness comes from the reward component named accuracy (rewards/composite.py)
+    needs_accuracy = {
+        "pass_rate_filter": "estimates pass rates",
+        "dynamic_sampling": "filter_on=accuracy filters" if v.get("data_curriculum.filter_on") == "accuracy" else None,
+        "difficulty_schedule": ("accuracy_threshold reads the training accuracy"
+                                if v.get("data_curriculum.accuracy_threshold") is not None else None),
+    }.get(name)
+    components = v.get("reward.components")
+    if needs_accuracy and isinstance(components, dict) and "accuracy" not in components:
+        yield (f"data_curriculum={name} {needs_accuracy} from the reward's accuracy component, but "
+               f"reward.components has none ({sorted(components)}); add reward.components.accuracy")
+
+
+# --- preference -------------------------------------------------------------------------
+
+PREFERENCE_SPECS: dict[str, Spec] = {
+    "preference.source": choice("embedded", "dataset"),
+    "preference.num_train_pairs": integer(1).about("embedded: training prompts, a pair each"),
+    "preference.num_validation_pairs": integer(1).about("embedded: held-out prompts, a pair each"),
+    "preference.samples_per_prompt": integer(2).about("embedded: a right and a wrong sample need two"),
+    "preference.temperature": POSITIVE.about("embedded: sampling temperature"),
+    "preference.seed": SEED,
+    "preference.cache": boolean(),
+    "preference.path": optional(text()).about("dataset: a hub name or a local file or directory"),
+    "preference.config": optional(text()),
+    "preference.splits.train": text(),
+    "preference.splits.validation": optional(text()).about("null: hold out preference.validation_size pairs"),
+    "preference.validation_size": integer(0),
+    "preference.validation_seed": SEED,
+    "preference.columns.prompt": text(),
+    "preference.columns.chosen": text(),
+    "preference.columns.rejected": text(),
+    "preference.columns.head": text().about("optional: the reward-model head each pair trains (algorithm.heads)"),
+    "preference.chat": boolean(),
+}
+
+
+@rule
+def preference_dataset_is_named(v: Values):
+    if v["algorithm.kind"] == "preference" and v["preference.source"] == "dataset" and not v["preference.path"]:
+        yield ("preference.source=dataset needs preference.path (a local json/jsonl/parquet file or directory, or "
+               "a hub name, with columns prompt/chosen/rejected)")
+
+
+@rule
+def embedded_pairs_label_the_heads(v: Values):
+    """A reward model's several heads (algorithm.heads) must be ones the embedded pairs label, before the warm start."""
+    embedded = v["algorithm.kind"] == "preference" and v["preference.source"] == "embedded"
+    if embedded and (problem := embedded_heads_problem(v.get("algorithm.heads") or [])):
+        yield problem
+
+
+SPECS: dict[str, Spec] = {**DATA_SPECS, **DATA_CURRICULUM_SPECS, **PREFERENCE_SPECS}

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.algorithms.rules import PRODUCERS, producer_problem
 from posttrain.config.spec import POSITIVE, Spec, Values, boolean, choice, integer, number, optional, rule
-from posttrain.config.trainer import is_sharded_strategy
+from posttrain.config.run import is_sharded_strategy
 from posttrain.core.mismatch import CORRECTION_LEVELS
 from posttrain.distributed.collectives import device_count
 from posttrain.models.loading import DTYPES

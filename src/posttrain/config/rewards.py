@@ -1,7 +1,6 @@
-"""What `reward.*` accepts (conf/reward/: the components of the composite reward, their
-weights and options; the Lagrangian constraint on one of them), and the rules that a reward
-model's path has a component to read it and that the constraint's cost is a component weighted 0.
-A component's own options are checked against its function by the dry run (dry_run.py)."""
+"""What the reward keys accept: reward.* (the components of the composite reward, their weights
+and options, the Lagrangian constraint on one of them) and prm.* (the process reward model
+reward=prm reads, an oracle or a learned one); and the rules across them."""
 
 from __future__ import annotations
 
@@ -11,8 +10,11 @@ from posttrain.config.spec import (Spec, Values, anything, boolean, choice, inte
 from posttrain.rewards.components import LENGTH_NORMALIZERS
 from posttrain.rewards.composite import ON_ERROR_MODES
 
+
+# --- reward -----------------------------------------------------------------------------
+
 # `*` patterns are tried in the order written: reward.components.*.weight before .*.*
-SPECS: dict[str, Spec] = {
+REWARD_SPECS: dict[str, Spec] = {
     "reward.name": text(),
     "reward.on_error": choice(*ON_ERROR_MODES),
     "reward.failure_score": number(),
@@ -86,3 +88,16 @@ def a_constraint_reads_a_weightless_component(v: Values):
     """reward.constraint's cost is one of the reward's components, weighted 0 (rules.constraint_problem)."""
     if problem := rules.constraint_problem(v.get("reward.constraint"), v.get("reward.components")):
         yield problem
+
+
+# --- prm --------------------------------------------------------------------------------
+
+PRM_SPECS: dict[str, Spec] = {
+    "prm.model": choice("oracle", "learned").about("oracle: the task's step verifier | learned: an algorithm=prm export"),
+    "prm.path": optional(text()).about("the hf_model/ of an algorithm=prm run (prm=learned)"),
+    "prm.oracle_score": choice("prefix", "step").about("prefix: 1 while every step so far is right | step: each alone"),
+    "prm.batch_size": integer(1).about("rows per PRM forward"),
+}
+
+
+SPECS: dict[str, Spec] = {**REWARD_SPECS, **PRM_SPECS}

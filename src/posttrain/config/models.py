@@ -1,20 +1,24 @@
-"""What `model.*` accepts (conf/model/: the policy, the embedded tiny model's shape or a
-pretrained one, its dtype and LoRA), and the rules about its shape, its precision and where
-a LoRA adapter can be exported."""
+"""What the model keys accept: model.* (the policy: the embedded tiny model's shape or a
+pretrained one, its dtype and LoRA) and teacher / teacher_recipe.* (the frozen teacher of the
+distillation algorithms, and the recipe of the embedded ones); and the rules about them."""
 
 from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from posttrain.algorithms import rules
 from posttrain.conf import CONFIG_DIR
-from posttrain.config.spec import (BELOW_ONE, POSITIVE, Spec, Values, boolean, choice, either, integer, list_of,
-                                   optional, rule, text)
-from posttrain.config.trainer import is_sharded_strategy
+from posttrain.config.spec import (BELOW_ONE, POSITIVE, SEED, Spec, Values, anything, boolean, choice, either, integer,
+                                   list_of, mapping, number, optional, rule, text)
+from posttrain.config.run import is_sharded_strategy
 from posttrain.models.loading import DTYPES
+
+
+# --- model ------------------------------------------------------------------------------
 
 ARCHITECTURES = ("qwen2", "llama")
 
-SPECS: dict[str, Spec] = {
+MODEL_SPECS: dict[str, Spec] = {
     "model.name_or_path": optional(text()).about("a hub id or HF directory; null: the embedded tiny model"),
     "model.init_from": optional(text()).about("a Lightning checkpoint (trainer=fsdp: a directory) or an HF directory"),
     "model.architecture": choice(*ARCHITECTURES),
@@ -133,3 +137,52 @@ def lora_is_not_sharded(v: Values):
         yield (f"model.lora.r={v['model.lora.r']} is not supported with trainer=fsdp "
                f"(trainer.strategy._target_={v['trainer.strategy']['_target_']}): FSDP2 sharding of a "
                f"PEFT-wrapped policy is not built; use trainer=ddp or trainer=cpu with LoRA, or model.lora.r=null")
+
+
+# --- teacher ----------------------------------------------------------------------------
+
+TEACHER_SPECS: dict[str, Spec] = {
+    "teacher": optional(text()).about("an HF directory, a checkpoint or run directory, or tiny_concise / tiny_verbose"),
+    "teacher_recipe.model": mapping("{hidden_size: 256, num_layers: 4}").about("overrides of conf/model/tiny.yaml"),
+    "teacher_recipe.model.hidden_size": integer(1),
+    "teacher_recipe.model.num_layers": integer(1),
+    "teacher_recipe.model.num_heads": integer(1),
+    "teacher_recipe.model.intermediate_size": integer(1),
+    # further keys of conf/model/tiny.yaml (+teacher_recipe.model.architecture=llama): checked
+    # as model.<key> when the recipe's SFT run starts
+    "teacher_recipe.model.*": anything(),
+    "teacher_recipe.steps": integer(1).about("SFT steps, or their cap with until_accuracy"),
+    "teacher_recipe.until_accuracy": optional(number(0, 1, low_open=True)).about("held-out greedy accuracy to "
+                                                                                 "stop at; null: all steps"),
+    "teacher_recipe.eval_every": integer(1).about("SFT steps between held-out evaluations"),
+    "teacher_recipe.lr": POSITIVE.about("learning rate"),
+    "teacher_recipe.batch_size": integer(1),
+    "teacher_recipe.seed": SEED,
+}
+
+
+def teacher_keys(v: Values) -> list[str]:
+    """The keys that configure a teacher, as `key=value`."""
+    keys = ("teacher", "roles.teacher.name_or_path", "roles.teacher.init_from")
+    return [f"{key}={v.get(key)}" for key in keys if v.get(key) is not None]
+
+
+@rule
+def distillation_reads_a_teacher(v: Values):
+    """A distilling algorithm needs a teacher; a teacher no stage reads would be loaded (or
+    trained) for nothing, and suggests the user meant another algorithm."""
+    if not v.online():
+        return
+
+    algorithm = v.algorithm()
+    distill = v.get("algorithm.distill")
+    configured = teacher_keys(v)
+    if problem := rules.teacher_problem(rules.distills(distill), bool(configured), f"algorithm={algorithm}"):
+        yield problem
+    elif configured and not rules.distills(distill):
+        why = ("algorithm.distill.coef=0" if distill else "it has no algorithm.distill")
+        yield (f"{' and '.join(configured)} is set, but algorithm={algorithm} does not read a teacher ({why}); drop "
+               f"the teacher, or use algorithm=opd / kdrl, or set algorithm.distill.coef > 0")
+
+
+SPECS: dict[str, Spec] = {**MODEL_SPECS, **TEACHER_SPECS}

@@ -1,14 +1,37 @@
-"""What `trainer.*` accepts (conf/trainer/: Lightning Trainer arguments; keys not listed here
-are Lightning's to check), and the rules about processes, devices and the optimiser step."""
+"""What a run's own keys accept, by concept: the top-level scalars of conf/train.yaml (seed,
+threads, checkpoint, task name), `trainer.*` (Lightning's Trainer: processes, devices,
+precision), `callbacks.*` and `logger.*` (with the user's own), `paths.*`, and `eval.*`
+(held-out evaluation); and the rules across them."""
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
-from posttrain.config.spec import (Spec, Values, boolean, choice, either, integer, is_int, list_of, mapping, optional,
-                                   pattern, rule, text)
+from posttrain.config.spec import (POSITIVE, SEED, Spec, Values, boolean, choice, either, integer, is_int, list_of,
+                                   mapping, number, optional, pattern, rule, text)
+from posttrain.data.arithmetic import SPLITS
+from posttrain.data.hub import REQUIRED_COLUMNS
 from posttrain.distributed.collectives import device_count
+
+
+# --- top_level --------------------------------------------------------------------------
+
+TOP_LEVEL_SPECS: dict[str, Spec] = {
+    "seed": SEED,
+    "num_threads": optional(integer(1)).about("torch threads on CPU; null: torch's default"),
+    "host_mmap_threshold_kib": optional(integer(4)).about("CPU runs: allocations of at least this many KiB are "
+                                                          "returned to the system when freed; null: glibc's default"),
+    "ckpt_path": optional(text()).about("a Lightning checkpoint, 'last', or 'auto' (the run dir's newest intact "
+                                         "checkpoint, if any)"),
+    "task_name": either(text(), integer(), expected="a non-empty name").about("names the run directory"),
+    "print_config": boolean(),
+}
+
+
+# --- trainer ----------------------------------------------------------------------------
 
 DURATION = pattern(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}", "a duration 'DD:HH:MM:SS'")
 # Lightning's precision names (lightning.fabric.plugins.precision.precision._PRECISION_INPUT).
@@ -22,7 +45,7 @@ def lightning_strategy(value) -> bool:
     return isinstance(value, dict) or value == "auto" or value in StrategyRegistry.available_strategies()
 
 
-SPECS: dict[str, Spec] = {
+TRAINER_SPECS: dict[str, Spec] = {
     "trainer._target_": text(),
     "trainer.accelerator": either(choice(*ACCELERATORS), mapping("{_target_: ...}"),
                                   expected=f"one of {', '.join(map(repr, ACCELERATORS))}"),
@@ -109,3 +132,92 @@ def accelerator_is_present(v: Values):
     elif accelerator == "mps":
         if not torch.backends.mps.is_available():
             yield "trainer.accelerator='mps' but MPS is not available on this machine; use trainer=cpu"
+
+
+# --- paths ------------------------------------------------------------------------------
+
+PATHS_SPECS: dict[str, Spec] = {
+    "paths.root_dir": text(),
+    "paths.log_dir": text(),
+    "paths.cache_dir": text(),
+    "paths.output_dir": text(),
+}
+
+
+# --- callbacks --------------------------------------------------------------------------
+
+def user_components(kind: str) -> Spec:
+    """A list of a user's own `kind` objects, each `{_target_: package.module.Class, <options>}`;
+    the class and its options are checked at start-up by run/user_components.py."""
+    entry = Spec(lambda v: isinstance(v, dict) and isinstance(v.get("_target_"), str),
+                 f"{{_target_: package.module.Class, <options>}} ({kind}; docs/extending.md)")
+    return list_of(entry)
+
+
+CALLBACKS_SPECS: dict[str, Spec] = {
+    "callbacks.checkpoint.every_n_train_steps": integer(1),
+    "callbacks.checkpoint.save_top_k": integer(-1).about("-1: keep every checkpoint"),
+    "callbacks.progress_bar": choice("rich", "none"),
+    "callbacks.stop_at_step": optional(integer(1)),
+    "callbacks.stop_at_accuracy": optional(number(0, 1, low_open=True)),
+    "callbacks.extra": user_components("a lightning.pytorch.callbacks.Callback subclass"),
+}
+
+
+# --- logger -----------------------------------------------------------------------------
+
+LOGGER_SPECS: dict[str, Spec] = {
+    "logger.backend": choice("wandb", "csv", "none"),
+    "logger.project": text(),
+    "logger.entity": optional(text()),
+    "logger.mode": choice("auto", "online", "offline", "disabled"),
+    "logger.tags": list_of(text()),
+    "logger.group": optional(text()).about("the W&B group; null: the task name, or the sweep's name and time"),
+    "logger.job_type": text().about("the W&B job type"),
+    "logger.extra": user_components("a lightning.pytorch.loggers.Logger subclass, beside logger.backend"),
+}
+
+
+# --- eval -------------------------------------------------------------------------------
+
+EVAL_SPECS: dict[str, Spec] = {
+    "eval.split": choice(*SPLITS),
+    "eval.num_prompts": integer(1).about("held-out prompts"),
+    "eval.batch_size": integer(1),
+    "eval.max_new_tokens": integer(1).about("generation budget in tokens"),
+    "eval.at_start": boolean(),
+    "eval.log_samples": integer(0).about("prompts in the samples table at each eval; 0: none"),
+    "eval.pass_k": optional(list_of(integer(1))).about("each k <= eval.num_samples; null: no pass@k"),
+    "eval.num_samples": integer(1).about("sampled responses per prompt for pass@k"),
+    "eval.temperature": POSITIVE.about("sampling temperature for pass@k"),
+    "eval.panel.size": integer(0).about("prompts of the panel (docs/panel.md); 0: no panel"),
+    "eval.panel.seed": SEED.about("which held-out prompts make the panel, the same in every run"),
+    "eval.panel.file": optional(text()).about("a JSON-lines file of the panel's examples; null: drawn from eval.split"),
+}
+
+
+@rule
+def eval_split_has_data(v: Values):
+    if v.get("data.source") in REQUIRED_COLUMNS:
+        yield from dataset_split_exists(v, v["eval.split"])
+    if v.get("data.source") != "jsonl":
+        return
+    split = v["eval.split"]
+    if v.get(f"data.files.{split}") is None:
+        yield (f"eval.split={split} needs data.files.{split} (a JSON-lines file of held-out examples), which is "
+               f"null; set it, or evaluate on a split that has a file with eval.split=...")
+
+
+def dataset_split_exists(v: Values, split: str) -> Iterator[str]:
+    if v.get(f"data.splits.{split}") is not None:
+        return
+    if split != "validation":
+        yield (f"eval.split={split} needs data.splits.{split} (the dataset's {split} split), which is null; set "
+               f"it, or evaluate on another split with eval.split=...")
+    elif v["data.validation_size"] == 0:
+        yield ("eval.split=validation needs data.splits.validation (the dataset's validation split) or "
+               "data.validation_size > 0 (training examples held out), but they are null and 0")
+
+
+SPECS: dict[str, Spec] = {**TOP_LEVEL_SPECS, **TRAINER_SPECS, **PATHS_SPECS, **CALLBACKS_SPECS, **LOGGER_SPECS,
+                          **EVAL_SPECS}
