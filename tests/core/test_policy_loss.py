@@ -330,9 +330,9 @@ def test_foreign_option_raises_naming_loss_and_option(name, option):
         with pytest.raises(ValueError, match=rf"'{name}'.*{option}"):
             compute_policy_loss(name, logp, old, adv, mask, **kw)
     # the default value itself is always accepted, whatever the loss
-    from posttrain.core.policy_loss import PolicyLossOptions
+    from posttrain.core.policy_loss import SHARED_OPTIONS
 
-    compute_policy_loss(name, logp, old, adv, mask, **{option: getattr(PolicyLossOptions(), option)})
+    compute_policy_loss(name, logp, old, adv, mask, **{option: SHARED_OPTIONS[option].default})
 
 
 def test_option_errors():

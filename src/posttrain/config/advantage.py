@@ -4,22 +4,20 @@ the rules that an online algorithm has an advantage that fits it and its groups.
 from __future__ import annotations
 
 from posttrain.algorithms import rules
-from posttrain.config.spec import POSITIVE, PROBABILITY, Spec, Values, boolean, choice, number, rule
-from posttrain.core.advantages import ADVANTAGE_ESTIMATORS, SCALE_MODES, SINGLETON_MODES
+from posttrain.config.spec import Spec, Values, option_specs, rule, text
+from posttrain.core.advantages import ADVANTAGE_ESTIMATORS, estimator_options
 
 # Advantages that compare the samples of one prompt's group with each other.
 GROUP_ADVANTAGES = ("group_norm", "group_mean", "rloo", "reinforce_pp_baseline")
 
+# The keys the estimators declare (a user's estimator named by `_target_` declares its own).
+OPTION_KEYS = tuple(estimator_options())
 SPECS: dict[str, Spec] = {
-    "advantage.name": choice("none", *ADVANTAGE_ESTIMATORS),
-    "advantage.eps": number(0),
-    "advantage.scale": choice(*SCALE_MODES),
-    "advantage.singleton": choice(*SINGLETON_MODES).about("what a group of one sample gets"),
-    "advantage.keep_degenerate": boolean(),
-    "advantage.gamma": PROBABILITY.about("discount"),
-    "advantage.lam": PROBABILITY.about("GAE lambda"),
-    "advantage.whiten": boolean(),
-    "advantage.whiten_eps": POSITIVE,
+    # a built-in, or the name a user's estimator is declared with (advantage._target_; algorithms/formulas.py)
+    "advantage.name": text().about(f"none, {', '.join(ADVANTAGE_ESTIMATORS)}, or the name of your own "
+                                   f"estimator with advantage._target_"),
+    "advantage._target_": text().about("a function declared with @posttrain.core.advantage_estimator"),
+    **option_specs("advantage", estimator_options().values()),
 }
 
 

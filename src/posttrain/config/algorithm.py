@@ -8,11 +8,11 @@ import re
 from pathlib import Path
 
 from posttrain.algorithms import rules
-from posttrain.config.spec import (BELOW_ONE, CLAMP, POSITIVE, PROBABILITY, SEED, Spec, Values, boolean, choice,
-                                   integer, is_number, list_of, mapping, number, optional, rule, text)
-from posttrain.core.aggregation import AGGREGATION_MODES
-from posttrain.core.distill import DISTILL_DIVERGENCES, KDRL_ESTIMATORS
-from posttrain.core.policy_loss import POLICY_LOSSES, RATIO_LEVELS
+from posttrain.algorithms.online.learner import LEARNER_OPTIONS
+from posttrain.algorithms.online.parts import critic, distillation, ptx
+from posttrain.config.spec import (BELOW_ONE, POSITIVE, PROBABILITY, SEED, Spec, Values, boolean, choice, either,
+                                   integer, is_number, list_of, mapping, number, option_specs, optional, rule, text)
+from posttrain.core.policy_loss import POLICY_LOSSES, loss_options
 from posttrain.core.preference import PREFERENCE_LOSSES
 from posttrain.core.schedules import SCHEDULES
 from posttrain.data.pretraining import names_a_file
@@ -39,57 +39,24 @@ SPECS: dict[str, Spec] = {
     "algorithm.name": text(),
     "algorithm.kind": choice("online", "offline", "preference", "process"),
     "algorithm.batch_size": integer(1).about("examples per optimiser step"),
-    "algorithm.max_grad_norm": optional(number(0)).about("null or 0: no clipping"),
     **optimiser("algorithm.optim"),
-    "algorithm.prompts_per_step": integer(1).about("prompts per rollout batch, per process"),
-    "algorithm.group_size": integer(1).about("samples per prompt"),
-    "algorithm.ppo_epochs": integer(1),
-    "algorithm.num_minibatches": integer(1),
-    "algorithm.micro_batch_size": optional(integer(1)).about("null: the whole minibatch at once"),
-    "algorithm.policy_loss": choice(*POLICY_LOSSES),
-    "algorithm.clip_low": optional(BELOW_ONE).about("the ratio's lower bound is 1 - clip_low"),
-    "algorithm.clip_high": optional(number(0)),
-    "algorithm.dual_clip": optional(number(1, low_open=True)).about("the dual-clip constant c > 1"),
-    "algorithm.delta": optional(number(1, low_open=True)).about("cap on the unclipped ratio, > 1 + clip_high"),
-    "algorithm.log_ratio_clamp": CLAMP,
-    "algorithm.seq_log_ratio_clamp": CLAMP,
-    "algorithm.ratio_level": choice(*RATIO_LEVELS),
-    "algorithm.tau_pos": POSITIVE,
-    "algorithm.tau_neg": POSITIVE,
-    "algorithm.kimi_tau": POSITIVE.about("kimi: weight of the pull towards pi_old"),
-    "algorithm.loss_agg_mode": choice(*AGGREGATION_MODES),
-    "algorithm.norm_constant": optional(POSITIVE).about("null: the generation budget"),
-    "algorithm.count_empty_rows": boolean(),
-    "algorithm.mask_truncated": boolean(),
-    "algorithm.entropy_coef": number(),
+    # the online learner, its policy loss and its parts: their declarations (max_grad_norm is every algorithm's)
+    **option_specs("algorithm", LEARNER_OPTIONS + ptx.OPTIONS),
+    "algorithm.policy_loss": either(choice(*POLICY_LOSSES), mapping("{_target_: my_losses.soft_clip, <its options>}"),
+                                    expected=f"one of {', '.join(map(repr, POLICY_LOSSES))}, or a mapping "
+                                             f"{{_target_: my_losses.my_loss, <its options>}} naming your own"),
+    "algorithm.policy_loss._target_": text().about("a function declared with @posttrain.core.policy_loss"),
+    **option_specs("algorithm", loss_options().values()),
     "algorithm.critic": optional(mapping("{warmup_batches: 0, vf_coef: 1.0, ...}")).about("PPO's value model"),
-    "algorithm.critic.warmup_batches": integer(0).about("rollout batches that train only the critic"),
-    "algorithm.critic.value_clip": optional(POSITIVE).about("null: plain squared error"),
-    "algorithm.critic.vf_coef": number(0),
-    "algorithm.critic.max_grad_norm": optional(number(0)).about("null or 0: no clipping"),
+    **option_specs("algorithm.critic", critic.OPTIONS),
     **optimiser("algorithm.critic.optim"),
-    "algorithm.ptx_coef": number(0),
-    "algorithm.ptx_batch_size": integer(1),
-    "algorithm.ptx_data": optional(text()).about("null: the task's supervised data; else pretraining text: a text "
-                                                 "file, a .jsonl with a 'text' field, or a hub name[:config]"),
-    "algorithm.ptx_seq_len": integer(2).about("ptx_data: tokens per chunk of pretraining text"),
-    "algorithm.offpolicy_mask_delta": optional(number(0)),
-    "algorithm.keep_sampling_mask": boolean(),
     # distillation from a frozen teacher (opd, kdrl, long2short): algorithms/online/parts/distillation.py
     "algorithm.distill": optional(mapping("{mode: reward, coef: 1.0}")).about("null: no distillation"),
-    "algorithm.distill.mode": choice("reward", "full", "loss").about("per-token reward | full-vocabulary loss | "
-                                                                     "sampled k2/k3 loss"),
-    "algorithm.distill.coef": number(0).about("the distillation weight at rollout batch 0"),
+    **option_specs("algorithm.distill", distillation.OPTIONS),
     "algorithm.distill.coef_schedule.name": choice(*SCHEDULES),
     "algorithm.distill.coef_schedule.end": number(0).about("the weight from coef_schedule.steps on"),
     "algorithm.distill.coef_schedule.steps": integer(1).about("rollout batches from coef to end"),
     "algorithm.distill.coef_schedule.step_every": integer(1).about("step: rollout batches between drops"),
-    "algorithm.distill.divergence": choice(*DISTILL_DIVERGENCES),
-    "algorithm.distill.beta": number(0, 1, low_open=True).about("generalized_jsd's teacher weight, in (0, 1)"),
-    "algorithm.distill.temperature": POSITIVE,
-    "algorithm.distill.estimator": choice(*KDRL_ESTIMATORS),
-    "algorithm.distill.mask": choice("none", "low_reward"),
-    "algorithm.distill.reward_threshold": number().about("mask=low_reward distils samples with reward <= this"),
     # preference algorithms (dpo, ipo, hinge, simpo): algorithms/preference.py
     "algorithm.loss": choice(*PREFERENCE_LOSSES),
     "algorithm.beta": POSITIVE.about("the preference loss's inverse temperature (IPO: tau)"),

@@ -8,11 +8,9 @@ rule passed, so they never see a value of the wrong type.
 from __future__ import annotations
 
 import inspect
-from types import SimpleNamespace
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from posttrain.algorithms import rules
 from posttrain.data.curriculum import CURRICULA
 from posttrain.errors import ConfigError
 from posttrain.rewards import build_reward
@@ -23,9 +21,6 @@ from posttrain.run.user_components import import_target
 SUPPLIED_ARGUMENTS = ("self", "policy", "tokenizer", "source", "rollout", "eval_max_new_tokens", "kl_estimator",
                       "advantage", "reward", "data_curriculum", "roles", "cache_dir", "seed")
 NOT_MODULE_ARGUMENTS = ("_target_", "name", "kind", "warm_start")
-# The policy loss options, as OnlineRLModule.__init__ gathers them into `loss_options`.
-LOSS_OPTION_KEYS = ("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp", "seq_log_ratio_clamp",
-                    "ratio_level", "tau_pos", "tau_neg", "kimi_tau")
 
 
 def unknown_arguments(key: str, constructor, given: list[str], supplied: tuple[str, ...] = ()) -> list[str]:
@@ -68,35 +63,15 @@ def algorithm_problems(cfg: DictConfig) -> list[str]:
 
 
 def core_option_problems(cfg: DictConfig) -> list[str]:
-    """The advantage, policy loss and KL options on a dummy batch (online.check_core_options),
-    from the config rather than from a built module."""
+    """The policy loss, advantage and KL estimator as the module resolves them (formulas.py:
+    a built-in or a user's `_target_`, each option against its declaration), then run on a
+    dummy batch, from the config rather than from a built module."""
     # An SFT run (the warm start) never imports the RL modules, so that editing them keeps the
     # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
-    from posttrain.algorithms.online.module import OnlineRLModule, check_core_options
-    from posttrain.algorithms.online.parts.reference import KL_PLACEMENT_KEYS
+    from posttrain.algorithms.formulas import check_formulas, resolve_formulas
 
-    from posttrain.algorithms.online.learner import LEARNER_OPTIONS
-    from posttrain.core.policy_loss import _DEFAULTS
-
-    defaults = {**_DEFAULTS, **{o.name: o.default for o in LEARNER_OPTIONS}, "policy_loss": "ppo_clip"}
-    algorithm = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items()}
-    setting = lambda key: algorithm.get(key, defaults[key])  # noqa: E731 - a module argument or its default
-    kl = OmegaConf.to_container(cfg.kl_estimator, resolve=True)
-    uses_kl = rules.uses_kl(kl["name"], kl.get("coef", 0))
-    stand_in = SimpleNamespace(
-        advantage_name=cfg.advantage.name,
-        advantage_options={k: v for k, v in OmegaConf.to_container(cfg.advantage, resolve=True).items() if k != "name"},
-        policy_loss=setting("policy_loss"),
-        loss_options={key: setting(key) for key in LOSS_OPTION_KEYS},
-        aggregation=dict(agg_mode=setting("loss_agg_mode"), count_empty_rows=setting("count_empty_rows"),
-                         norm_constant=setting("norm_constant") or cfg.rollout.max_new_tokens),
-        uses_reference=uses_kl,
-        kl_name=kl["name"],
-        kl_options={k: v for k, v in kl.items() if k not in KL_PLACEMENT_KEYS},
-    )
     try:
-        reference = SimpleNamespace(kl_name=stand_in.kl_name, kl_options=stand_in.kl_options) if uses_kl else None
-        check_core_options(stand_in, reference)
+        check_formulas(resolve_formulas(cfg.algorithm, cfg.advantage, cfg.kl_estimator, cfg.rollout.max_new_tokens))
     except ConfigError as err:
         return [str(err)]
     return []

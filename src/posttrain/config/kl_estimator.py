@@ -4,21 +4,22 @@ placement and controller), and the rule that a KL in use is placed and controlle
 from __future__ import annotations
 
 from posttrain.algorithms import rules
-from posttrain.config.spec import CLAMP, POSITIVE, Spec, Values, boolean, choice, number, optional, rule
-from posttrain.core.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from posttrain.config.spec import POSITIVE, Spec, Values, choice, number, option_specs, optional, rule, text
+from posttrain.core.kl import KL_CONTROLLERS, KL_ESTIMATORS, estimator_options
 
+# The keys the estimators declare (a user's estimator named by `_target_` declares its own).
+OPTION_KEYS = tuple(estimator_options())
 SPECS: dict[str, Spec] = {
-    "kl_estimator.name": choice("none", *KL_ESTIMATORS),
+    # a built-in, or the name a user's estimator is declared with (kl_estimator._target_; algorithms/formulas.py)
+    "kl_estimator.name": text().about(f"none, {', '.join(KL_ESTIMATORS)}, or the name of your own estimator "
+                                      f"with kl_estimator._target_"),
+    "kl_estimator._target_": text().about("a function declared with @posttrain.core.kl_estimator"),
     "kl_estimator.coef": number(0),
     "kl_estimator.placement": choice("in_reward", "as_loss", "none"),
     "kl_estimator.controller": choice(*KL_CONTROLLERS),
     "kl_estimator.target": optional(POSITIVE).about("the adaptive controller's target KL"),
     "kl_estimator.horizon": optional(POSITIVE).about("the adaptive controller's horizon"),
-    "kl_estimator.value_clamp": CLAMP,
-    "kl_estimator.log_ratio_clamp": CLAMP,
-    "kl_estimator.unbiased_gradient": boolean(),
-    "kl_estimator.straight_through": boolean(),
-    "kl_estimator.is_weight_cap": optional(POSITIVE),
+    **option_specs("kl_estimator", estimator_options().values()),
 }
 
 

@@ -16,6 +16,7 @@ See README.md in this folder for the table of functions, papers and formulas.
 
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
+    advantage_estimator,
     compute_advantages,
     discounted_returns,
     dr_grpo_advantages,
@@ -55,6 +56,7 @@ from .kl import (
     kl_k2,
     kl_k3,
     kl_abs,
+    kl_estimator,
     kl_k3_unbiased,
     kl_penalty,
     kl_straight_through,
@@ -84,7 +86,9 @@ from .policy_loss import (
     gspo_loss,
     gspo_sequence_log_ratio,
     kimi_loss,
+    loss_options,
     offpolicy_sequence_mask,
+    policy_loss,
     ppo_clip_loss,
     reinforce_loss,
     sapo_loss,
@@ -131,6 +135,7 @@ __all__ = [
     "kl_k3_unbiased", "kl_penalty", "kl_straight_through", "kl_unbiased_gradient", "logprobs_from_logits",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "offpolicy_sequence_mask", "pass_at_k",
     "ppo_clip_loss", "preference_loss", "prm_step_advantages", "ptx_loss",
+    "policy_loss", "loss_options", "advantage_estimator", "kl_estimator",
     "reinforce_loss", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
     "reverse_kl", "reverse_kl_sampled", "rloo_advantages", "sapo_loss", "sequence_scores",
     "set_finite_checks", "simpo_loss", "weighted_head_sum", "token_logprobs_and_entropy", "value_loss", "zero_padding",

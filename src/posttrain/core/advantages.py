@@ -41,15 +41,38 @@ before scaling); group statistics need none (a group lives on one rank).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .groups import GroupIndex, group_ids, group_max, group_mean, group_min, group_std, group_sum
 from .masked import BatchSum, masked_sum, masked_var, masked_whiten
+from .options import POSITIVE, PROBABILITY, Option, boolean, check_defaults, choice, declared, merged, number, register
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}  # filled by @advantage_estimator
+
+
+def advantage_estimator(name: str, *, options: Iterable[Option] = ()):
+    """Declare and register the advantage estimator ``name`` (``fn(token_rewards, mask,
+    group_index, values=None, *, <options>) -> (advantages, returns)``) with its keyword
+    options, each an ``Option(name, default, spec, doc)`` whose default is the function's own.
+    The function is returned as it is, carrying ``.estimator_name`` and ``.options``."""
+    table = declared(options)
+
+    def wrap(fn):
+        check_defaults(fn, table.values())
+        fn.estimator_name, fn.options = name, tuple(table.values())
+        register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, fn)
+        return fn
+
+    return wrap
+
+
+def estimator_options() -> dict[str, Option]:
+    """Every option of the registered estimators by name (the keys of the `advantage` group)."""
+    return merged(fn.options for fn in ADVANTAGE_ESTIMATORS.values())
 
 
 def _validate(token_rewards, mask, values=None) -> torch.Tensor:
@@ -93,6 +116,11 @@ def _zero_variance(scores: torch.Tensor, g: GroupIndex) -> torch.Tensor:
 
 SINGLETON_MODES = ("zero", "raw", "unit_std")
 SCALE_MODES = ("group", "batch", "none")
+# Options several estimators share, declared once.
+EPS = Option("eps", 1e-6, number(0), "added to the std before dividing")
+SINGLETON = Option("singleton", "zero", choice(*SINGLETON_MODES), "what a group of one sample gets")
+GAMMA = Option("gamma", 1.0, PROBABILITY, "discount")
+WHITEN_EPS = Option("whiten_eps", 1e-8, POSITIVE, "added to the batch std when whitening")
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
@@ -114,6 +142,8 @@ def _degenerate(scores: torch.Tensor, g: GroupIndex, singleton: str = "zero") ->
     return degenerate
 
 
+@advantage_estimator("group_norm", options=(
+    EPS, Option("scale", "group", choice(*SCALE_MODES), "divide by the group's std, the batch's, or none"), SINGLETON))
 @torch.no_grad()
 def grpo_advantages(
     token_rewards, mask, group_index, values=None, *, eps: float = 1e-6, scale: str = "group",
@@ -152,6 +182,7 @@ def grpo_advantages(
     return adv, adv.clone()
 
 
+@advantage_estimator("group_mean", options=(SINGLETON,))
 @torch.no_grad()
 def dr_grpo_advantages(token_rewards, mask, group_index, values=None, *, singleton: str = "zero"):
     """Dr. GRPO (Liu et al. 2025): A_i = R_i - mean_G R (no std normalisation); a group of one
@@ -159,6 +190,7 @@ def dr_grpo_advantages(token_rewards, mask, group_index, values=None, *, singlet
     return grpo_advantages(token_rewards, mask, group_index, scale="none", singleton=singleton)
 
 
+@advantage_estimator("rloo", options=(SINGLETON,))
 @torch.no_grad()
 def rloo_advantages(token_rewards, mask, group_index, values=None, *, singleton: str = "zero"):
     """RLOO (Ahmadian et al. 2024): A_i = R_i - (sum_{j != i} R_j) / (G - 1); 0 when the
@@ -193,6 +225,7 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return torch.where(valid, out, torch.zeros_like(out))
 
 
+@advantage_estimator("reinforce_pp", options=(GAMMA, WHITEN_EPS))
 @torch.no_grad()
 def reinforce_pp_advantages(
     token_rewards, mask, group_index=None, values=None, *, gamma: float = 1.0, whiten_eps: float = 1e-8,
@@ -208,6 +241,8 @@ def reinforce_pp_advantages(
     return adv, returns
 
 
+@advantage_estimator("reinforce_pp_baseline", options=(
+    WHITEN_EPS, SINGLETON, Option("keep_degenerate", False, boolean(), "verl: keep flat groups' whitened values")))
 @torch.no_grad()
 def reinforce_pp_baseline_advantages(
     token_rewards, mask, group_index, values=None, *, whiten_eps: float = 1e-8,
@@ -234,6 +269,9 @@ def reinforce_pp_baseline_advantages(
     return adv, adv.clone()
 
 
+@advantage_estimator("gae", options=(
+    GAMMA, Option("lam", 0.95, PROBABILITY, "GAE lambda"),
+    Option("whiten", True, boolean(), "whiten the advantages over the batch"), WHITEN_EPS))
 @torch.no_grad()
 def gae_advantages(
     token_rewards,
@@ -274,6 +312,7 @@ def gae_advantages(
     return adv, returns
 
 
+@advantage_estimator("prm_step", options=(EPS,))
 @torch.no_grad()
 def prm_step_advantages(
     token_rewards, mask, group_index, values=None, *, step_mask=None, eps: float = 1e-6
@@ -312,17 +351,6 @@ def prm_step_advantages(
     adv = normed.flip(-1).cumsum(-1).flip(-1)
     adv = torch.where(valid, adv, torch.zeros_like(adv))
     return adv, adv.clone()
-
-
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
-    "group_norm": grpo_advantages,
-    "group_mean": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-    "gae": gae_advantages,
-    "prm_step": prm_step_advantages,
-}
 
 
 def compute_advantages(name: str, token_rewards, mask, group_index, values=None, batch_sum: BatchSum | None = None,

@@ -40,16 +40,55 @@ flows through ``logp``.
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .masked import zero_padding
+from .options import POSITIVE, Option, boolean, check_defaults, declared, merged, optional, register
 
 KLFn = Callable[..., torch.Tensor]
+# One signature: fn(logp [B,T], ref_logp [B,T], old_logp [B,T] | None, **options) -> per-token [B,T].
+# The config option "none" means no KL term at all: the algorithm skips this path (and the
+# reference model), so it has no entry here.
+KL_ESTIMATORS: dict[str, KLFn] = {}  # filled by @kl_estimator
+
+
+def kl_estimator(name: str, *, options: Iterable[Option] = ()):
+    """Declare and register the KL estimator ``name`` (``fn(logp, ref_logp, old_logp=None, *,
+    <options>) -> [B, T]``) with its keyword options, each an ``Option(name, default, spec, doc)``
+    whose default is the function's own. The function is returned as it is, carrying
+    ``.estimator_name`` and ``.options``; ``kl_penalty`` adds the gradient options
+    (GRADIENT_OPTIONS) to every estimator."""
+    table = declared(options)
+
+    def wrap(fn):
+        check_defaults(fn, table.values())
+        fn.estimator_name, fn.options = name, tuple(table.values())
+        register(KL_ESTIMATORS, "KL estimator", name, fn)
+        return fn
+
+    return wrap
+
+
+# Options the estimators share, declared once (a default may differ: k3 clamps its value by default).
+VALUE_CLAMP = Option("value_clamp", None, optional(POSITIVE), "clamp of the per-token value; null: none")
+LOG_RATIO_CLAMP = Option("log_ratio_clamp", 20.0, optional(POSITIVE), "clamp of log(pi_ref/pi) before exp; null: none")
+K3_OPTIONS = (LOG_RATIO_CLAMP, replace(VALUE_CLAMP, default=10.0))
+# kl_penalty's own options, which replace any estimator's gradient.
+GRADIENT_OPTIONS = declared((
+    Option("straight_through", False, boolean(), "value of the estimator, gradient of k2"),
+    Option("unbiased_gradient", False, boolean(), "OpenRLHF: gradient of sg(min(pi/pi_old, is_weight_cap)) * k2"),
+    Option("is_weight_cap", 10.0, optional(POSITIVE), "unbiased_gradient: cap of the IS weight; null: none"),
+))
+
+
+def estimator_options() -> dict[str, Option]:
+    """Every option of the registered estimators by name, and the gradient options."""
+    return merged([*(fn.options for fn in KL_ESTIMATORS.values()), GRADIENT_OPTIONS.values()])
 
 
 def clamped_log_ratio(logp: torch.Tensor, other_logp: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
@@ -76,6 +115,7 @@ def _clamp_log_ratio(x: torch.Tensor, log_ratio_clamp: float | None) -> torch.Te
     return x if log_ratio_clamp is None else torch.clamp(x, -log_ratio_clamp, log_ratio_clamp)
 
 
+@kl_estimator("k1", options=(VALUE_CLAMP,))
 def kl_k1(
     logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor | None = None, *,
     value_clamp: float | None = None,
@@ -84,6 +124,7 @@ def kl_k1(
     return _clamp_value(logp - ref_logp.detach(), value_clamp)
 
 
+@kl_estimator("k2", options=(VALUE_CLAMP,))
 def kl_k2(
     logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor | None = None, *,
     value_clamp: float | None = None,
@@ -92,6 +133,7 @@ def kl_k2(
     return _clamp_value(0.5 * (logp - ref_logp.detach()) ** 2, value_clamp)
 
 
+@kl_estimator("abs", options=(VALUE_CLAMP,))
 def kl_abs(
     logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor | None = None, *,
     value_clamp: float | None = None,
@@ -100,6 +142,7 @@ def kl_abs(
     return _clamp_value(torch.abs(logp - ref_logp.detach()), value_clamp)
 
 
+@kl_estimator("k3", options=K3_OPTIONS)
 def kl_k3(
     logp: torch.Tensor,
     ref_logp: torch.Tensor,
@@ -124,6 +167,8 @@ def kl_k3(
     return _clamp_value(k, value_clamp)
 
 
+@kl_estimator("k3_unbiased", options=(
+    *K3_OPTIONS, Option("detach_weight", False, boolean(), "detach the IS weight: k3's bias again")))
 def kl_k3_unbiased(
     logp: torch.Tensor,
     ref_logp: torch.Tensor,
@@ -199,25 +244,9 @@ def kl_unbiased_gradient(value_fn: KLFn, *, is_weight_cap: float | None = 10.0) 
     return kl_straight_through(value_fn, kl_k2, importance_weighted=True, is_weight_cap=is_weight_cap)
 
 
-# One signature: fn(logp [B,T], ref_logp [B,T], old_logp [B,T] | None, **options) -> per-token [B,T].
 # "<name>_st" = value of <name> (taking <name>'s options), gradient of k2 (see kl_straight_through).
-# The config option "none" means no KL term at all: the algorithm skips this path (and the
-# reference model), so it has no entry here.
-KL_ESTIMATORS: dict[str, KLFn] = {
-    "k1": kl_k1,
-    "k2": kl_k2,
-    "k3": kl_k3,
-    "abs": kl_abs,
-    "k3_unbiased": kl_k3_unbiased,
-    "k1_st": kl_straight_through(kl_k1),
-    "k3_st": kl_straight_through(kl_k3),
-}
-
-
-def _estimator_options(fn: KLFn) -> set[str]:
-    """Names of the keyword-only options ``fn`` takes (a wrapped estimator: its value function's)."""
-    params = inspect.signature(fn).parameters.values()
-    return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+kl_estimator("k1_st", options=kl_k1.options)(kl_straight_through(kl_k1))
+kl_estimator("k3_st", options=kl_k3.options)(kl_straight_through(kl_k3))
 
 
 def kl_penalty(
@@ -241,11 +270,16 @@ def kl_penalty(
     ``log_ratio_clamp`` for k1) raises a ValueError.
     """
     fn = lookup(KL_ESTIMATORS, name, "KL estimator")
-    accepted = _estimator_options(fn)
-    for option in estimator_options:
-        if option not in accepted:
+    accepted = {option.name: option for option in fn.options}
+    given = {**estimator_options, "is_weight_cap": is_weight_cap}
+    for option, value in given.items():
+        if option not in accepted and option not in GRADIENT_OPTIONS:
             valid = ", ".join(sorted(accepted)) or "none"
             raise ValueError(f"KL estimator {name!r} takes no option {option!r}; its options: {valid}")
+        declared_as = accepted.get(option) or GRADIENT_OPTIONS[option]
+        if not declared_as.spec.accepts(value):
+            raise ValueError(f"{option}={value!r} is not valid for KL estimator {name!r}: "
+                             f"expected {declared_as.expected}")
     if straight_through and unbiased_gradient:
         raise ValueError("straight_through and unbiased_gradient are exclusive (both replace the gradient)")
     check_shape("ref_logp", ref_logp, logp.shape, "logp")

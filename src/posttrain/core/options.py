@@ -7,6 +7,7 @@ error messages all read that declaration. Plain Python: no torch, no config libr
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -186,3 +187,39 @@ def resolve_options(owner: str, options: Iterable[Option], given: Mapping[str, A
     if problems:
         raise ValueError("; ".join(problems))
     return {option.name: given.get(option.name, option.default) for option in options}
+
+
+def merged(owners: Iterable[Iterable[Option]]) -> dict[str, Option]:
+    """{name: option} over several owners' declarations (the estimators of one config group,
+    which share a key such as `eps`): a name declared by several owners must mean the same
+    there (the same words; a default may differ)."""
+    table: dict[str, Option] = {}
+    for options in owners:
+        for option in options:
+            seen = table.setdefault(option.name, option)
+            if seen.expected != option.expected:
+                raise ValueError(f"option {option.name!r} is declared twice with different meanings: "
+                                 f"{seen.expected!r} and {option.expected!r}")
+    return table
+
+
+def register(registry: dict[str, Callable], family: str, name: str, fn: Callable) -> None:
+    """`registry[name] = fn`, refusing a name another function already holds (a re-import of
+    the same function replaces it)."""
+    held = registry.get(name)
+    where = lambda f: f"{f.__module__}.{f.__qualname__}"  # noqa: E731
+    if held is not None and where(held) != where(fn):
+        raise ValueError(f"{family} {name!r} is already registered by {where(held)}; give {where(fn)} another name")
+    registry[name] = fn
+
+
+def check_defaults(fn: Callable, options: Iterable[Option]) -> None:
+    """Refuse a declaration whose default is not the function's own default for that keyword
+    (they would disagree on what an unset key means)."""
+    params = inspect.signature(fn).parameters
+    for option in options:
+        param = params.get(option.name)
+        if param is None or param.default is param.empty or param.default != option.default:
+            raise ValueError(f"{fn.__qualname__}: option {option.name!r} is declared with default "
+                             f"{option.default!r}, but the function's keyword "
+                             f"{'is missing' if param is None else f'defaults to {param.default!r}'}")

@@ -61,9 +61,8 @@ Stats (over the valid, unmasked tokens of this call; peers' names in brackets):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 
 import torch
 
@@ -71,81 +70,62 @@ from .aggregation import aggregate_loss
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .kl import clamped_log_ratio
 from .masked import _safe_div, masked_count, masked_mean, masked_sum, zero_padding
+from .options import BELOW_ONE, POSITIVE, Option, choice, declared, merged, number, optional, register
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
-
-@dataclass(frozen=True)
-class PolicyLossOptions:
-    """The keyword options every policy loss takes (``seq_mask`` aside), with their defaults."""
-
-    clip_low: float | None = 0.2
-    clip_high: float | None = 0.2
-    dual_clip: float | None = None
-    delta: float | None = None
-    log_ratio_clamp: float | None = 20.0
-    seq_log_ratio_clamp: float | None = None
-    ratio_level: str = "token"
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    kimi_tau: float = 1.0
-    agg_mode: str = "token-mean"
-    num_tokens: Any = None
-    num_seqs: Any = None
-    norm_constant: float | None = None
-    dp_size: int = 1
-    count_empty_rows: bool = False
-
-
-_DEFAULTS = {f.name: f.default for f in fields(PolicyLossOptions)}
-# Options read by one loss or another; the rest (aggregation) are read by every loss.
-_LOSS_OPTIONS = ("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp", "seq_log_ratio_clamp",
-                 "ratio_level", "tau_pos", "tau_neg", "kimi_tau")
-_AGGREGATION_OPTIONS = ("num_tokens", "num_seqs", "norm_constant", "dp_size", "count_empty_rows")
 RATIO_LEVELS = ("token", "sequence")
+# The options the losses share, declared once (the config's `algorithm.<name>` keys, their
+# checks and --help read this table); a loss names those it reads (`uses=`) and may declare
+# options of its own (`options=`).
+SHARED_OPTIONS: dict[str, Option] = declared((
+    Option("clip_low", 0.2, optional(BELOW_ONE), "the ratio's lower bound is 1 - clip_low; null: none"),
+    Option("clip_high", 0.2, optional(number(0)), "the ratio's upper bound is 1 + clip_high; null: none"),
+    Option("dual_clip", None, optional(number(1, low_open=True)), "the dual-clip constant c > 1"),
+    Option("delta", None, optional(number(1, low_open=True)), "cap on the unclipped ratio, > 1 + clip_high"),
+    Option("log_ratio_clamp", 20.0, optional(POSITIVE), "token log-ratio clamp before exp; null: no clamp"),
+    Option("seq_log_ratio_clamp", None, optional(POSITIVE), "upper clamp on the sequence log-ratio; null: none"),
+    Option("ratio_level", "token", choice(*RATIO_LEVELS), "cispo: the token's ratio or GSPO's sequence ratio"),
+    Option("tau_pos", 1.0, POSITIVE, "sapo: gate temperature where A > 0"),
+    Option("tau_neg", 1.05, POSITIVE, "sapo: gate temperature where A <= 0"),
+    Option("kimi_tau", 1.0, POSITIVE, "kimi: weight of the pull towards pi_old"),
+))
+# What every loss passes to ``aggregate_loss`` (aggregation.py), with its defaults.
+AGGREGATION_DEFAULTS = {"agg_mode": "token-mean", "num_tokens": None, "num_seqs": None, "norm_constant": None,
+                        "dp_size": 1, "count_empty_rows": False}
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}  # filled by @policy_loss
 
 
-def _signature() -> inspect.Signature:
+def _signature(options: Iterable[Option]) -> inspect.Signature:
     p = inspect.Parameter
     args = [p(name, p.POSITIONAL_OR_KEYWORD) for name in ("logp", "old_logp", "advantages", "mask")]
-    options = [p(name, p.KEYWORD_ONLY, default=default) for name, default in _DEFAULTS.items()]
+    keywords = {**{o.name: o.default for o in options}, **AGGREGATION_DEFAULTS}
+    options = [p(name, p.KEYWORD_ONLY, default=default) for name, default in keywords.items()]
     masks = [p(name, p.KEYWORD_ONLY, default=None) for name in ("seq_mask", "is_weights")]
     return inspect.Signature([*args, *options, *masks])
 
 
-_SIGNATURE = _signature()
-
-
-def _reject_options(loss: str, o: PolicyLossOptions, names, context: str = "") -> None:
+def _reject_options(loss: str, o, names, context: str = "") -> None:
     """ValueError for the first option in ``names`` that is set to a non-default value."""
     for name in names:
-        value, default = getattr(o, name), _DEFAULTS[name]
+        value, default = getattr(o, name), SHARED_OPTIONS[name].default
         if value is not default and value != default:
             raise ValueError(
                 f"policy loss {loss!r}{context} does not use {name} (got {value!r}); leave it at {default!r}"
             )
 
 
-def _check_values(o: PolicyLossOptions) -> None:
-    for name in ("clip_low", "clip_high"):
-        eps = getattr(o, name)
-        if eps is not None and not eps >= 0:
-            raise ValueError(f"{name} must be >= 0 or None, got {eps!r}")
-    if o.dual_clip is not None and not o.dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {o.dual_clip!r}")
+def _check_values(loss: str, table: dict[str, Option], o) -> None:
+    """Each value against its declaration; then the one rule across keys (delta above the clip)."""
+    for name, option in table.items():
+        value = getattr(o, name)
+        if not option.spec.accepts(value):
+            raise ValueError(f"{name}={value!r} is not valid for policy loss {loss!r}: expected {option.expected}")
     if o.delta is not None:
         bound = 1.0 + (o.clip_high or 0.0)
         if not o.delta > bound:
             raise ValueError(f"delta must be > 1 + clip_high = {bound!r} (or None), got {o.delta!r}")
-    for name in ("log_ratio_clamp", "seq_log_ratio_clamp"):
-        c = getattr(o, name)
-        if c is not None and not c > 0:
-            raise ValueError(f"{name} must be a positive number or None (no clamp), got {c!r}")
-    if o.ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {o.ratio_level!r}")
-    for name in ("tau_pos", "tau_neg", "kimi_tau"):
-        if not getattr(o, name) > 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(o, name)!r}")
 
 
 def _validate(logp, old_logp, advantages, mask, seq_mask, is_weights=None):
@@ -174,22 +154,34 @@ def _validate(logp, old_logp, advantages, mask, seq_mask, is_weights=None):
     return logp, old_logp, advantages, used
 
 
-def _policy_loss(name: str, *, uses: tuple[str, ...], needs_old: bool = True):
-    """Turn ``terms(logp, old_logp, a, mask, used, o) -> (loss_mat, stats)`` into the policy loss
-    ``name`` with the shared signature. The wrapper does what every loss shares: it rejects
-    unknown options and options outside ``uses`` that are set, checks the option values and the
-    tensors (zeroing padding), and masks, aggregates and detaches. ``terms`` gets the padded
-    inputs with ``a`` = sg[advantages] and returns the per-token loss and its stats."""
-    unused = tuple(option for option in _LOSS_OPTIONS if option not in uses)
+def policy_loss(name: str, *, uses: Iterable[str] = (), options: Iterable[Option] = (), needs_old: bool = True):
+    """Declare and register the policy loss ``name``: ``@policy_loss("ppo_clip", uses=("clip_low", ...))``
+    over ``terms(logp, old_logp, a, mask, used, o) -> (loss_mat, stats)`` gives the loss with the
+    shared signature, in ``POLICY_LOSSES``. ``uses``: the shared options (SHARED_OPTIONS) it reads;
+    ``options``: options of its own (``Option(name, default, spec, doc)``). ``o`` holds every
+    option's value by attribute (``o.clip_high``, ``o.<own>``).
+
+    The wrapper does what every loss shares: it refuses unknown options, shared options outside
+    ``uses`` that are set, and values their declaration refuses; checks the tensors (zeroing
+    padding); and masks, aggregates and detaches. ``terms`` gets the padded inputs with
+    ``a`` = sg[advantages] and returns the per-token loss and its stats. The loss carries its
+    declaration: ``.loss_name``, ``.uses`` and ``.own_options``."""
+    uses, own = tuple(uses), declared(options)
+    if not set(uses) <= set(SHARED_OPTIONS) or own.keys() & SHARED_OPTIONS.keys():
+        raise ValueError(f"policy loss {name!r}: uses= names shared options ({', '.join(SHARED_OPTIONS)}); "
+                         f"options= declares new ones, got uses={uses}, options={list(own)}")
+    table = {**SHARED_OPTIONS, **own}
+    defaults = {**{key: option.default for key, option in table.items()}, **AGGREGATION_DEFAULTS}
+    unused = tuple(option for option in SHARED_OPTIONS if option not in uses)
 
     def wrap(terms):
-        def loss_fn(logp, old_logp, advantages, mask, *, seq_mask=None, is_weights=None, **options):
-            unknown = sorted(set(options) - set(_DEFAULTS))
+        def loss_fn(logp, old_logp, advantages, mask, *, seq_mask=None, is_weights=None, **given):
+            unknown = sorted(set(given) - set(defaults))
             if unknown:
-                raise TypeError(f"policy loss {name!r} got unknown option(s) {unknown}; options: {sorted(_DEFAULTS)}")
-            o = PolicyLossOptions(**options)
+                raise TypeError(f"policy loss {name!r} got unknown option(s) {unknown}; options: {sorted(defaults)}")
+            o = SimpleNamespace(**{**defaults, **given})
             _reject_options(name, o, unused)
-            _check_values(o)
+            _check_values(name, table, o)
             if needs_old and old_logp is None:
                 raise ValueError(f"policy loss {name!r} needs old_logp (log-probs of the sampling policy)")
             logp, old_logp, advantages, used = _validate(logp, old_logp, advantages, mask, seq_mask, is_weights)
@@ -198,17 +190,25 @@ def _policy_loss(name: str, *, uses: tuple[str, ...], needs_old: bool = True):
                 loss_mat = loss_mat * torch.where(used, is_weights.detach(), torch.zeros_like(is_weights))
             # Terms of masked-out sequences are zeroed, but the counts come from the full ``mask``.
             loss_mat = torch.where(used, loss_mat, torch.zeros_like(loss_mat))
-            aggregation = {k: getattr(o, k) for k in _AGGREGATION_OPTIONS}
+            aggregation = {k: getattr(o, k) for k in AGGREGATION_DEFAULTS if k != "agg_mode"}
             loss = aggregate_loss(loss_mat, mask, o.agg_mode, **aggregation)
             return loss, {k: v.detach() for k, v in stats.items()}
 
         loss_fn.__name__ = loss_fn.__qualname__ = terms.__name__
         loss_fn.__doc__ = terms.__doc__
         loss_fn.__module__ = terms.__module__
-        loss_fn.__signature__ = _SIGNATURE
+        loss_fn.__signature__ = _signature(table.values())
+        loss_fn.loss_name, loss_fn.uses, loss_fn.own_options = name, uses, tuple(own.values())
+        register(POLICY_LOSSES, "policy loss", name, loss_fn)
         return loss_fn
 
     return wrap
+
+
+def loss_options() -> dict[str, Option]:
+    """Every option of the registered losses by name: the shared ones, then each loss's own
+    (the keys an `algorithm` node may set beside `policy_loss`)."""
+    return merged([SHARED_OPTIONS.values(), *(fn.own_options for fn in POLICY_LOSSES.values())])
 
 
 def _log_ratio(logp, old_logp, clamp):
@@ -222,7 +222,7 @@ def _upper_clamp(x, c):
     return x if c is None else torch.clamp(x, max=c)
 
 
-def _clip_bounds(o: PolicyLossOptions):
+def _clip_bounds(o):
     lo = None if o.clip_low is None else 1.0 - o.clip_low
     hi = None if o.clip_high is None else 1.0 + o.clip_high
     return lo, hi
@@ -260,7 +260,7 @@ def _ratio_stats(log_ratio, used, low_cut, high_cut):
     }
 
 
-@_policy_loss("ppo_clip", uses=("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp"))
+@policy_loss("ppo_clip", uses=("clip_low", "clip_high", "dual_clip", "delta", "log_ratio_clamp"))
 def ppo_clip_loss(logp, old_logp, a, mask, used, o):
     """PPO-clip (Schulman et al. 2017) with clip-higher (DAPO) and dual clip (Ye et al. 2020):
     l_t = max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)  (= -min(r A, clip(r) A));
@@ -291,7 +291,7 @@ def gspo_sequence_log_ratio(logp, old_logp, mask, log_ratio_clamp=20.0, seq_log_
     return _upper_clamp(seq, seq_log_ratio_clamp)
 
 
-@_policy_loss("gspo", uses=("clip_low", "clip_high", "delta", "log_ratio_clamp", "seq_log_ratio_clamp"))
+@policy_loss("gspo", uses=("clip_low", "clip_high", "delta", "log_ratio_clamp", "seq_log_ratio_clamp"))
 def gspo_loss(logp, old_logp, a, mask, used, o):
     """GSPO-token (Zheng et al. 2025): s_it = sg[s_i] * pi_it / sg[pi_it],
     l_t = -min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it).
@@ -315,7 +315,7 @@ def gspo_loss(logp, old_logp, a, mask, used, o):
     return loss_mat, stats
 
 
-@_policy_loss("cispo", uses=("clip_low", "clip_high", "log_ratio_clamp", "ratio_level", "seq_log_ratio_clamp"))
+@policy_loss("cispo", uses=("clip_low", "clip_high", "log_ratio_clamp", "ratio_level", "seq_log_ratio_clamp"))
 def cispo_loss(logp, old_logp, a, mask, used, o):
     """CISPO (MiniMax-M1, 2025): l_t = -sg[clip(r_t, 1-eps_low, 1+eps_high)] A_t log pi_theta(y_t).
 
@@ -348,7 +348,7 @@ def cispo_loss(logp, old_logp, a, mask, used, o):
     return loss_mat, stats
 
 
-@_policy_loss("sapo", uses=("log_ratio_clamp", "tau_pos", "tau_neg"))
+@policy_loss("sapo", uses=("log_ratio_clamp", "tau_pos", "tau_neg"))
 def sapo_loss(logp, old_logp, a, mask, used, o):
     """SAPO (soft adaptive policy optimisation, Qwen 2025): a sigmoid gate on the token ratio
     instead of a hard clip, l_t = -f(r_t) A_t with f(r) = sigmoid(tau (r - 1)) * 4 / tau,
@@ -368,7 +368,7 @@ def sapo_loss(logp, old_logp, a, mask, used, o):
     return loss_mat, _ratio_stats(log_ratio.detach(), used, none, none)
 
 
-@_policy_loss("reinforce", uses=("log_ratio_clamp",), needs_old=False)
+@policy_loss("reinforce", uses=("log_ratio_clamp",), needs_old=False)
 def reinforce_loss(logp, old_logp, a, mask, used, o):
     """REINFORCE (Williams 1992): l_t = -A_t log pi_theta(y_t); no ratio, no clipping.
 
@@ -383,7 +383,7 @@ def reinforce_loss(logp, old_logp, a, mask, used, o):
     return loss_mat, _ratio_stats(log_ratio, used, none, none)
 
 
-@_policy_loss("kimi", uses=("log_ratio_clamp", "kimi_tau"))
+@policy_loss("kimi", uses=("log_ratio_clamp", "kimi_tau"))
 def kimi_loss(logp, old_logp, a, mask, used, o):
     """Kimi k1.5 (Kimi Team 2025, section 2.3): per sequence, with the sequence log-ratio
     l = log pi_theta(y|x) - log pi_old(y|x) (a sum over its tokens) and A = r - mean_group(r)
@@ -414,16 +414,6 @@ def kimi_loss(logp, old_logp, a, mask, used, o):
     stats = _ratio_stats(log_ratio.detach(), used, none, none)
     stats["seq_log_ratio_mean"] = masked_mean(seq_log_ratio.detach(), used.any(-1))
     return loss_mat, stats
-
-
-POLICY_LOSSES: dict[str, PolicyLossFn] = {
-    "ppo_clip": ppo_clip_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-    "sapo": sapo_loss,
-    "reinforce": reinforce_loss,
-    "kimi": kimi_loss,
-}
 
 
 def compute_policy_loss(name: str, logp, old_logp, advantages, mask, **kwargs):

@@ -21,8 +21,8 @@ import torch
 
 from posttrain import core
 from posttrain.algorithms.experience import Experience
-from posttrain.core.aggregation import AGGREGATION_MODES
-from posttrain.core.options import POSITIVE, Option, boolean, choice, integer, number, optional
+from posttrain.algorithms.formulas import AGGREGATION_OPTIONS
+from posttrain.core.options import Option, boolean, integer, number, optional
 from posttrain.algorithms.online.collect import rank_seed
 from posttrain.algorithms.online.terms import MISMATCH_SUMS, MicroBatch
 from posttrain.distributed.collectives import all_reduce_max, all_reduce_sum, average_gradients, rank_and_world
@@ -41,9 +41,7 @@ LEARNER_OPTIONS = (
     Option("ppo_epochs", 1, integer(1), "passes over each rollout batch"),
     Option("num_minibatches", 1, integer(1), "optimiser steps per pass"),
     Option("micro_batch_size", None, optional(integer(1)), "null: the whole minibatch at once"),
-    Option("loss_agg_mode", "seq-mean-token-mean", choice(*AGGREGATION_MODES), "how token losses are averaged"),
-    Option("norm_constant", None, optional(POSITIVE), "null: the generation budget"),
-    Option("count_empty_rows", False, boolean(), "sequence means also count all-padding rows (TRL)"),
+    *AGGREGATION_OPTIONS,  # the policy loss's aggregation (formulas.py)
     Option("mask_truncated", False, boolean(), "overlong filtering: truncated responses leave the loss"),
     Option("entropy_coef", 0.0, number(), "weight of the entropy bonus; 0: logged only"),
     Option("max_grad_norm", 1.0, optional(number(0)), "null or 0: no clipping"),

@@ -10,6 +10,7 @@ training forward's outputs, and the global counts every aggregation uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -47,9 +48,11 @@ class PolicyTerm:
 
     prefix = "policy"
 
-    def __init__(self, name: str, options: dict, offpolicy_mask_delta: float | None = None,
+    def __init__(self, loss, options: dict, offpolicy_mask_delta: float | None = None,
                  correction: dict | None = None):
-        self.name, self.options, self.offpolicy_mask_delta = name, options, offpolicy_mask_delta
+        # the resolved loss (algorithms/formulas.py), or a built-in's name
+        self.loss = partial(core.compute_policy_loss, loss) if isinstance(loss, str) else loss
+        self.options, self.offpolicy_mask_delta = options, offpolicy_mask_delta
         self.correction = correction or {}
 
     def __call__(self, mb: MicroBatch):
@@ -64,9 +67,8 @@ class PolicyTerm:
         is_weights = core.correction_weights(log_ratio, mb.mask, **self.correction)
         sums = core.mismatch_sums(log_ratio, mb.exp.response_mask, **self.correction)
         stats.update({MISMATCH_SUMS + key: value for key, value in sums.items()})
-        loss, loss_stats = core.compute_policy_loss(self.name, mb.logp, mb.old_logp, mb.exp.advantages, mb.mask,
-                                                    seq_mask=seq_mask, is_weights=is_weights, **self.options,
-                                                    **mb.aggregation)
+        loss, loss_stats = self.loss(mb.logp, mb.old_logp, mb.exp.advantages, mb.mask, seq_mask=seq_mask,
+                                     is_weights=is_weights, **self.options, **mb.aggregation)
         return loss, {"loss": loss.detach(), **loss_stats, **stats}
 
 

@@ -10,7 +10,16 @@ from posttrain import core
 from posttrain.algorithms import rules
 from posttrain.algorithms.online.part import Part
 from posttrain.algorithms.online.terms import MicroBatch
+from posttrain.core.options import POSITIVE, Option, integer, number, optional
 from posttrain.models.roles import ValueModel, build_role
+
+# algorithm.critic.<name>, declared once (its `optim` node is an optimiser's, config/algorithm.py)
+OPTIONS = (
+    Option("warmup_batches", 0, integer(0), "rollout batches that train only the critic"),
+    Option("value_clip", 0.2, optional(POSITIVE), "V_old +- value_clip (PPO value clipping); null: squared error"),
+    Option("vf_coef", 1.0, number(0), "weight of the value loss"),
+    Option("max_grad_norm", 1.0, optional(number(0)), "null or 0: no clipping"),
+)
 
 
 class ValueTerm:

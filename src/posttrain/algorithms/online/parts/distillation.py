@@ -16,6 +16,7 @@ from posttrain import core
 from posttrain.algorithms import rules
 from posttrain.algorithms.online.part import Part
 from posttrain.algorithms.online.terms import MicroBatch, renamed_aggregation
+from posttrain.core.options import POSITIVE, Option, choice, number, option_problems
 from posttrain.errors import ConfigError
 from posttrain.models.forward import sequence_logits
 from posttrain.models.roles import build_role
@@ -25,6 +26,17 @@ DISTILL_MODES = ("reward", "full", "loss")
 # ... and which samples a loss-mode distillation keeps: all, or those with reward <= reward_threshold (KDRL).
 DISTILL_MASKS = ("none", "low_reward")
 TERM_KEYS = ("divergence", "beta", "temperature", "estimator", "mask", "reward_threshold")
+# algorithm.distill.<name>, declared once (its `coef_schedule` node is core.scheduled_coef's, config/algorithm.py)
+OPTIONS = (
+    Option("mode", "reward", choice(*DISTILL_MODES), "per-token reward | full-vocabulary loss | sampled k2/k3 loss"),
+    Option("coef", 0.0, number(0), "the distillation weight at rollout batch 0"),
+    Option("divergence", "reverse_kl", choice(*core.DISTILL_DIVERGENCES), "mode=full: the divergence"),
+    Option("beta", 0.5, number(0, 1, low_open=True), "generalized_jsd's teacher weight, in (0, 1)"),
+    Option("temperature", 1.0, POSITIVE, "mode=full: both distributions are softmax(logits / temperature)"),
+    Option("estimator", "k2", choice(*core.KDRL_ESTIMATORS), "mode=loss: KDRL's sampled estimator"),
+    Option("mask", "none", choice(*DISTILL_MASKS), "mode=loss: which samples are distilled"),
+    Option("reward_threshold", 0.0, number(), "mask=low_reward distils samples with reward <= this"),
+)
 
 
 class DistillTerm:
@@ -76,11 +88,10 @@ def check_distill(distill: dict, advantage_name: str, teacher_role) -> None:
     rules.refuse(rules.teacher_problem(True, has_teacher, "algorithm.distill"))
     if "mode" not in distill:
         raise ConfigError(f"algorithm.distill.mode is not set: one of {list(DISTILL_MODES)}")
-    choices = {"mode": DISTILL_MODES, "mask": DISTILL_MASKS, "divergence": tuple(core.DISTILL_DIVERGENCES),
-               "estimator": tuple(core.KDRL_ESTIMATORS)}
-    for key, allowed in choices.items():
-        if key in distill and distill[key] not in allowed:
-            raise ConfigError(f"algorithm.distill.{key}={distill[key]!r} is not one of {list(allowed)}")
+    settings = {key: value for key, value in distill.items() if key != "coef_schedule"}
+    problems = option_problems("algorithm.distill", OPTIONS, settings)
+    if problems:
+        raise ConfigError("; ".join(problems))
     rules.refuse(rules.distill_reward_problem(distill["mode"], advantage_name))
     schedule = dict(distill.get("coef_schedule") or {"name": "constant"})
     try:

@@ -13,14 +13,13 @@ import torch
 
 from posttrain import core
 from posttrain.algorithms import rules
+from posttrain.algorithms.formulas import resolve_kl
 from posttrain.algorithms.online.part import Part
 from posttrain.algorithms.online.terms import MicroBatch, renamed_aggregation
 from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
 from posttrain.models.lora import reference_is_the_base, reference_model
 from posttrain.models.roles import build_role
 
-# Keys of the kl_estimator group that place and weigh the KL; every other key is an estimator option.
-KL_PLACEMENT_KEYS = ("name", "coef", "placement", "controller", "target", "horizon")
 
 
 class KLTerm:
@@ -29,11 +28,11 @@ class KLTerm:
 
     prefix = "policy"
 
-    def __init__(self, estimator: str, options: dict, controller, as_loss: bool):
-        self.estimator, self.options, self.controller, self.as_loss = estimator, options, controller, as_loss
+    def __init__(self, kl, options: dict, controller, as_loss: bool):
+        self.kl, self.options, self.controller, self.as_loss = kl, options, controller, as_loss
 
     def __call__(self, mb: MicroBatch):
-        kl = core.kl_penalty(self.estimator, mb.logp, mb.exp.ref_logp, mb.old_logp, **self.options)
+        kl = self.kl(mb.logp, mb.exp.ref_logp, mb.old_logp, **self.options)
         value = core.aggregate_loss(kl, mb.mask, **renamed_aggregation(mb.aggregation))
         loss = self.controller.value * value if self.as_loss else value.detach() * 0.0
         return loss, {"kl": value.detach()}
@@ -52,15 +51,15 @@ class ReferenceKL(Part):
 
     def __init__(self, kl_estimator, policy, reference_role, scoring):
         rules.refuse(rules.kl_placement_problem(kl_estimator.name, kl_estimator.coef, kl_estimator.placement))
-        self.kl_name, self.placement = kl_estimator.name, kl_estimator.placement
-        self.kl_options = {k: v for k, v in kl_estimator.items() if k not in KL_PLACEMENT_KEYS}
+        self.kl, self.kl_name, self.kl_options = resolve_kl(kl_estimator)  # formulas.py: a built-in or a _target_
+        self.placement = kl_estimator.placement
         self.controller = build_controller(kl_estimator)
         self.in_reward = self.placement == "in_reward"
         self.needs_old_logp = self.in_reward  # the in-reward KL is that of the sampling policy
         self.policy, self.scoring = policy, scoring
         self.reference = (None if reference_is_the_base(policy, reference_role)
                           else build_role("reference", reference_role, policy))
-        self.term = KLTerm(self.kl_name, self.kl_options, self.controller, as_loss=self.placement == "as_loss")
+        self.term = KLTerm(self.kl, self.kl_options, self.controller, as_loss=self.placement == "as_loss")
 
     def roles(self) -> dict:
         return {"reference": self.reference} if self.reference is not None else {}
@@ -78,7 +77,7 @@ class ReferenceKL(Part):
         if not self.in_reward:
             return token_rewards, {}
         mask = exp.response_mask
-        kl = core.kl_penalty(self.kl_name, exp.old_logp, exp.ref_logp, exp.old_logp, **self.kl_options)
+        kl = self.kl(exp.old_logp, exp.ref_logp, exp.old_logp, **self.kl_options)
         token_rewards = core.apply_kl_in_reward(token_rewards, kl, self.controller.value, mask)
         # the KL part of each sequence's return, batch mean
         return token_rewards, {"rewards/kl_penalty": float(-self.controller.value * core.masked_sum(kl, mask)
