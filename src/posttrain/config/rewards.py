@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from posttrain.algorithms import rules
 from posttrain.config.spec import (Spec, Values, anything, boolean, choice, integer, is_number, list_of, mapping,
-                                   number, optional, pattern, rule, text)
-from posttrain.rewards.components import LENGTH_NORMALIZERS
+                                   number, option_specs, optional, pattern, rule, text)
+from posttrain.rewards.components import REWARD_FUNCTIONS
 from posttrain.rewards.composite import ON_ERROR_MODES
 
 
@@ -19,21 +19,8 @@ REWARD_SPECS: dict[str, Spec] = {
     "reward.on_error": choice(*ON_ERROR_MODES),
     "reward.failure_score": number(),
     "reward.components": mapping("{accuracy: {weight: 1.0}}", non_empty=True),
-    "reward.components.overlong.cache_len": integer(0).about("tokens"),
-    "reward.components.overlong.max_len": optional(integer(1)).about("tokens; null: rollout.max_new_tokens"),
-    "reward.components.format.match_score": number(),
-    "reward.components.format.miss_score": number(),
-    "reward.components.format.partial": boolean().about("score the share of the shape a response has (the "
-                                                        "arithmetic task's r1 tags)"),
-    "reward.components.length_penalty.warmup": integer(0).about("rollout batches before the length reward switches on"),
-    "reward.components.length_penalty.only_groups_with_a_correct_answer": boolean().about(
-        "0 in a group with no right answer (false: Kimi's formula)"),
-    "reward.components.length_linear.coef": number(0).about("the penalty of one token, or of a budget-long "
-                                                           "response with normalize_by: max_new_tokens"),
-    "reward.components.length_linear.normalize_by": optional(choice(*LENGTH_NORMALIZERS)).about(
-        "what the length is divided by; null: tokens"),
-    "reward.components.response_length.normalize_by": optional(choice(*LENGTH_NORMALIZERS)).about(
-        "what the length is divided by; null: tokens"),
+    **{key: spec for name, fn in REWARD_FUNCTIONS.items()  # each built-in's declared options
+       for key, spec in option_specs(f"reward.components.{name}", getattr(fn, "options", ())).items()},
     # a Lagrangian constraint E[cost] <= limit, lambda learned by dual ascent in the trainer (online.py)
     "reward.constraint": optional(mapping("{cost: response_length, limit: 0.5, lr: 1.0, init: 0.0}")).about(
         "null: none"),

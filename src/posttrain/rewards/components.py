@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from posttrain.core.options import Option, boolean, choice, integer, number, optional
 from posttrain.core.length import dapo_overlong_penalty, kimi_length_reward, linear_length_penalty
 from posttrain.rewards.base import RewardFunction, ScoredSample
 from posttrain.rewards.prm import ProcessReward
@@ -23,6 +24,10 @@ def verify(samples: Sequence[ScoredSample], source) -> torch.Tensor:
     return torch.tensor([bool(source.is_correct(s.example, s.response)) for s in samples], dtype=torch.bool)
 
 
+# What a length may be divided by (a reward's normalize_by): the generation budget.
+LENGTH_NORMALIZERS = ("max_new_tokens",)
+
+
 class AccuracyReward:
     """Verifiable outcome reward (DeepSeek-R1 "accuracy reward"): 1 if the final answer
     is right, else `wrong_score`. DAPO scores a wrong answer -1, so that a right answer
@@ -30,6 +35,7 @@ class AccuracyReward:
     correctness from this component: a score of 1 is a right answer."""
 
     name = "accuracy"
+    options = (Option("wrong_score", 0.0, number(), "the score of a wrong answer (DAPO: -1)"),)
 
     def __init__(self, wrong_score: float = 0.0):
         # below 1, or a wrong answer would score (and be counted) as a right one
@@ -52,6 +58,12 @@ class FormatReward:
     that never writes the whole shape by chance (RL from a random model, experiment=r1_zero)."""
 
     name = "format"
+    options = (
+        Option("match_score", 1.0, number(), "the score of a response of the task's shape"),
+        Option("miss_score", 0.0, number(), "the score of one without it"),
+        Option("partial", False, boolean(), "score the share of the shape a response has (the arithmetic task's "
+                                            "r1 tags)"),
+    )
 
     def __init__(self, match_score: float = 1.0, miss_score: float = 0.0, partial: bool = False):
         if not isinstance(partial, bool):
@@ -79,6 +91,10 @@ class OverlongReward:
     """
 
     name = "overlong"
+    options = (
+        Option("cache_len", None, integer(0), "tokens"),  # no default: the preset sets it
+        Option("max_len", None, optional(integer(1)), "tokens; null: rollout.max_new_tokens"),
+    )
 
     def __init__(self, cache_len: int, max_len: int | None = None, *, max_new_tokens: int):
         self.max_len = max_new_tokens if max_len is None else max_len
@@ -104,6 +120,11 @@ class LengthPenaltyReward:
     with no right answer (see `kimi_length_reward`); false is Kimi's formula as published."""
 
     name = "length_penalty"
+    options = (
+        Option("warmup", 0, integer(0), "rollout batches before the length reward switches on"),
+        Option("only_groups_with_a_correct_answer", False, boolean(), "0 in a group with no right answer "
+                                                                      "(false: Kimi's formula)"),
+    )
 
     def __init__(self, warmup: int = 0, only_groups_with_a_correct_answer: bool = False):
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
@@ -128,7 +149,6 @@ class LengthPenaltyReward:
 
 # What a length score may be divided by (`normalize_by`): nothing (null, a score in tokens) or the
 # generation budget (a share of rollout.max_new_tokens).
-LENGTH_NORMALIZERS = ("max_new_tokens",)
 
 
 def length_normalizer(normalize_by: str | None, max_new_tokens: int) -> float:
@@ -149,6 +169,12 @@ class LinearLengthPenalty:
     pressure is towards shorter responses everywhere, at the price of the accuracy they cost."""
 
     name = "length_linear"
+    options = (
+        Option("coef", None, number(0), "the penalty of one token, or of a budget-long response with "
+                                        "normalize_by: max_new_tokens"),  # no default: the preset sets it
+        Option("normalize_by", None, optional(choice(*LENGTH_NORMALIZERS)), "what the length is divided by; "
+                                                                            "null: tokens"),
+    )
 
     def __init__(self, coef: float, normalize_by: str | None = None, *, max_new_tokens: int):
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
@@ -167,6 +193,8 @@ class ResponseLength:
     budget by default (a number in [0, 1]), or tokens with `normalize_by: null`."""
 
     name = "response_length"
+    options = (Option("normalize_by", "max_new_tokens", optional(choice(*LENGTH_NORMALIZERS)),
+                      "what the length is divided by; null: tokens"),)
 
     def __init__(self, normalize_by: str | None = "max_new_tokens", *, max_new_tokens: int):
         self.normalizer = length_normalizer(normalize_by, max_new_tokens)
