@@ -48,7 +48,7 @@ import torch
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .groups import GroupIndex, group_ids, group_max, group_mean, group_min, group_std, group_sum
 from .masked import BatchSum, masked_sum, masked_var, masked_whiten
-from .options import POSITIVE, PROBABILITY, Option, boolean, check_defaults, choice, declared, merged, number, register
+from .options import POSITIVE, PROBABILITY, Option, boolean, choice, declaring, merged, number
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}  # filled by @advantage_estimator
@@ -59,15 +59,7 @@ def advantage_estimator(name: str, *, options: Iterable[Option] = ()):
     group_index, values=None, *, <options>) -> (advantages, returns)``) with its keyword
     options, each an ``Option(name, default, spec, doc)`` whose default is the function's own.
     The function is returned as it is, carrying ``.estimator_name`` and ``.options``."""
-    table = declared(options)
-
-    def wrap(fn):
-        check_defaults(fn, table.values())
-        fn.estimator_name, fn.options = name, tuple(table.values())
-        register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, fn)
-        return fn
-
-    return wrap
+    return declaring(ADVANTAGE_ESTIMATORS, "advantage estimator", name, options)
 
 
 def estimator_options() -> dict[str, Option]:

@@ -48,7 +48,7 @@ import torch
 
 from .checks import check_finite, check_shape, lookup, valid_mask
 from .masked import zero_padding
-from .options import POSITIVE, Option, boolean, check_defaults, declared, merged, optional, register
+from .options import POSITIVE, Option, boolean, declared, declaring, merged, optional
 
 KLFn = Callable[..., torch.Tensor]
 # One signature: fn(logp [B,T], ref_logp [B,T], old_logp [B,T] | None, **options) -> per-token [B,T].
@@ -63,15 +63,7 @@ def kl_estimator(name: str, *, options: Iterable[Option] = ()):
     whose default is the function's own. The function is returned as it is, carrying
     ``.estimator_name`` and ``.options``; ``kl_penalty`` adds the gradient options
     (GRADIENT_OPTIONS) to every estimator."""
-    table = declared(options)
-
-    def wrap(fn):
-        check_defaults(fn, table.values())
-        fn.estimator_name, fn.options = name, tuple(table.values())
-        register(KL_ESTIMATORS, "KL estimator", name, fn)
-        return fn
-
-    return wrap
+    return declaring(KL_ESTIMATORS, "KL estimator", name, options)
 
 
 # Options the estimators share, declared once (a default may differ: k3 clamps its value by default).

@@ -223,3 +223,17 @@ def check_defaults(fn: Callable, options: Iterable[Option]) -> None:
             raise ValueError(f"{fn.__qualname__}: option {option.name!r} is declared with default "
                              f"{option.default!r}, but the function's keyword "
                              f"{'is missing' if param is None else f'defaults to {param.default!r}'}")
+
+
+def declaring(registry: dict[str, Callable], family: str, name: str, options: Iterable[Option]):
+    """The decorator of an estimator family: it declares the function's keyword `options` (each
+    default the function's own), sets `fn.estimator_name` and `fn.options`, and registers it."""
+    table = declared(options)
+
+    def wrap(fn):
+        check_defaults(fn, table.values())
+        fn.estimator_name, fn.options = name, tuple(table.values())
+        register(registry, family, name, fn)
+        return fn
+
+    return wrap
