@@ -44,7 +44,7 @@ def algorithm_problems(cfg: DictConfig) -> list[str]:
     given = [k for k in cfg.algorithm if k not in NOT_MODULE_ARGUMENTS]
     problems = unknown_arguments("algorithm", module_class, given, SUPPLIED_ARGUMENTS)
     # An SFT run (the warm start) never imports the RL modules, so that editing them keeps the
-    # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
+    # cached warm starts (prepare/source_key.py follows no import marked so): imported here for the cache key
     from posttrain.algorithms.online.module import OnlineRLModule, refuse_unknown_keys
 
     if isinstance(module_class, type) and issubclass(module_class, OnlineRLModule):
@@ -67,7 +67,7 @@ def core_option_problems(cfg: DictConfig) -> list[str]:
     a built-in or a user's `_target_`, each option against its declaration), then run on a
     dummy batch, from the config rather than from a built module."""
     # An SFT run (the warm start) never imports the RL modules, so that editing them keeps the
-    # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
+    # cached warm starts (prepare/source_key.py follows no import marked so): imported here for the cache key
     from posttrain.algorithms.formulas import check_formulas, resolve_formulas
 
     try:
@@ -98,7 +98,7 @@ def dry_run_problems(cfg: DictConfig) -> list[str]:
     if problems or cfg.algorithm.kind != "online":
         return problems
     # An SFT run (the warm start) never imports the RL modules, so that editing them keeps the
-    # cached warm starts (prepare/cache.py NOT_IN_SFT): imported here for the cache key
+    # cached warm starts (prepare/source_key.py follows no import marked so): imported here for the cache key
     from posttrain.algorithms.online import OnlineRLModule
 
     if not issubclass(import_target("algorithm", cfg.algorithm._target_), OnlineRLModule):
