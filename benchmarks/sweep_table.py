@@ -17,7 +17,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from posttrain.eval.report import HEADER, load_runs, markdown_table, rows, varying_keys
+from posttrain.eval.report.runs import load_runs, varying_keys
+from posttrain.eval.report.tables import HEADER, markdown_table, rows
 
 __all__ = ["load_runs", "varying_keys", "rows", "HEADER"]
 

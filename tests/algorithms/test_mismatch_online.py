@@ -15,7 +15,7 @@ from test_grpo import online_module
 from posttrain import core
 from posttrain.algorithms.online.learner import mismatch_metrics
 from posttrain.errors import MismatchError
-from posttrain.eval.report import write_report
+from posttrain.eval.report.document import write_report
 
 
 def one_update(module, step: int = 0):

@@ -12,7 +12,8 @@ import yaml
 
 from posttrain.algorithms.base import generate_and_score
 from posttrain.data.datamodule import collate_prompts
-from posttrain.eval.report import reliability_points, write_report
+from posttrain.eval.report.calibration import reliability_points
+from posttrain.eval.report.document import write_report
 from posttrain.rollout import SamplingParams
 from posttrain.train import run
 

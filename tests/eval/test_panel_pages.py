@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from posttrain.data.panel import panel_examples
 from posttrain.data.sources import build_source
 from posttrain.errors import DataError
-from posttrain.eval.panel_pages import write_panel_pages
+from posttrain.eval.report.panel_pages import write_panel_pages
 from posttrain.train import run
 
 from conftest import EASY_TASK, FAST_RUN, RANKS_START_METHOD, compose_config, free_port

@@ -14,7 +14,10 @@ import torch
 import yaml
 
 from posttrain.run.history import MetricsHistory, read_history
-from posttrain.eval.report import load_history, main, read_csv_history, seed_band, write_report
+from posttrain.eval.report.command import main
+from posttrain.eval.report.curves import seed_band
+from posttrain.eval.report.document import write_report
+from posttrain.eval.report.runs import load_history, read_csv_history
 
 from forked_cli import run_command
 

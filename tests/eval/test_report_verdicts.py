@@ -18,7 +18,9 @@ from conftest import rl_config
 
 from posttrain.core.statistics import student_t_quantile
 from posttrain.errors import DataError
-from posttrain.eval.report import budget_axis, main, on_budget_axis, seed_band, summed_over_resumes, write_report
+from posttrain.eval.report.command import main
+from posttrain.eval.report.curves import budget_axis, on_budget_axis, seed_band, summed_over_resumes
+from posttrain.eval.report.document import write_report
 from posttrain.run.history import read_history
 from posttrain.train import run
 
@@ -207,7 +209,7 @@ def test_compare_calls_the_panel_pages_and_needs_no_root(tmp_path, monkeypatch, 
         calls.append((run_dirs, out_dir, at_batches))
         return out_dir / "index.html"
 
-    monkeypatch.setitem(sys.modules, "posttrain.eval.panel_pages",
+    monkeypatch.setitem(sys.modules, "posttrain.eval.report.panel_pages",
                         types.SimpleNamespace(write_panel_pages=write_panel_pages))
     runs = [job(tmp_path / "sweep", i, name, 0, 0.5, 5.0) for i, name in enumerate(("grpo", "dapo"))]
     main(["--compare", *map(str, runs), "--at", "10", "20"])
@@ -224,7 +226,7 @@ def test_command_line_mistakes_are_one_line(argv, message, capsys, monkeypatch):
     def write_panel_pages(run_dirs, out_dir, at_batches):
         raise DataError(f"{run_dirs[0]}: no panel files")
 
-    monkeypatch.setitem(sys.modules, "posttrain.eval.panel_pages",
+    monkeypatch.setitem(sys.modules, "posttrain.eval.report.panel_pages",
                         types.SimpleNamespace(write_panel_pages=write_panel_pages))
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

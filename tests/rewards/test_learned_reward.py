@@ -238,7 +238,7 @@ def test_the_config_check_names_a_missing_reward_model(tmp_path):
 # --- a GRPO run on a learned reward: eval/proxy_reward beside eval/accuracy -----------------------
 
 def test_grpo_on_a_reward_model_logs_the_proxy_reward_at_each_eval(tmp_path, reward_dirs):
-    from posttrain.eval.report import write_report
+    from posttrain.eval.report.document import write_report
     from posttrain.run.history import HISTORY_FILE
 
     run_dir = tmp_path / "runs" / "0"

@@ -18,10 +18,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from posttrain.data.sources import json_lines
 from posttrain.errors import DataError
+from posttrain.eval.report.runs import read_overrides
+from posttrain.eval.report.tables import markdown_table
 
 PANEL_DIR = "panel"
 PANEL_FILE = re.compile(r"batch(\d+)\.jsonl")
@@ -117,7 +117,7 @@ def name_runs(runs: list[PanelRun]) -> None:
     a group's own settings left out where the group's choice differs: `algorithm=grpo`, not
     also its `algorithm.group_size=8`), else its directory's name, else its path below the
     runs' common folder."""
-    overrides = [run_overrides(run.path) for run in runs]
+    overrides = [read_overrides(run.path) for run in runs]
     differing = sorted(k for k in set().union(*overrides) if len({o.get(k) for o in overrides}) > 1)
     differing = [k for k in differing if not any(k.startswith(f"{group}.") for group in differing)]
     labels = [", ".join(f"{k}={o[k]}" for k in differing if k in o) for o in overrides]
@@ -128,13 +128,6 @@ def name_runs(runs: list[PanelRun]) -> None:
         labels = [str(run.path.resolve().relative_to(common)) for run in runs]
     for run, label in zip(runs, labels):
         run.label = label
-
-
-def run_overrides(run_dir: Path) -> dict[str, str]:
-    """The run's command-line overrides (Hydra's .hydra/overrides.yaml), key -> value."""
-    path = run_dir / ".hydra" / "overrides.yaml"
-    overrides = yaml.safe_load(path.read_text()) if path.is_file() else []
-    return dict(o.lstrip("+~").split("=", 1) for o in overrides or [] if "=" in o)
 
 
 def chosen_batches(runs: list[PanelRun], at_batches: list[int] | None) -> list[int]:
@@ -211,10 +204,6 @@ def answers_table(runs: list[PanelRun], batch: int, prompt: str) -> list[str]:
     if any(evaluated != batch for evaluated in at):
         body.append(["evaluated at batch", *map(str, at)])
     return markdown_table(["", *(escape(run.label) for run in runs)], body)
-
-
-def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in body)]
 
 
 def response_cell(row: dict | None) -> str:
