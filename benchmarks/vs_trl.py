@@ -413,7 +413,10 @@ def posttrain_worker(args) -> dict:
     import torch
 
     import posttrain.algorithms.base as algorithms_base
+    import posttrain.algorithms.online.module as online_module
     from posttrain.algorithms.online import OnlineRLModule
+    from posttrain.algorithms.online.learner import Learner
+    from posttrain.algorithms.online.sampler import PolicySampler
     from posttrain.train import run
 
     rss_after_imports = current_rss_mb()
@@ -426,7 +429,8 @@ def posttrain_worker(args) -> dict:
     if getattr(args, "ignore_eos", False):
         # posttrain has no min-new-tokens setting: its engine is handed a stop id no logit can
         # produce (benchmarks/rollout_speed.py --eos never), so every row runs to the limit
-        algorithms_base.stop_token_ids = lambda tokenizer, model: [never_sampled_id(model)]
+        never = lambda tokenizer, model: [never_sampled_id(model)]  # noqa: E731
+        algorithms_base.stop_token_ids = online_module.stop_token_ids = never  # held-out and training samplers
     timer, seen = StepTimer(), {}
     clock = TrainingClock(GreedyAccuracy(cfg, load_tokenizer(args.model)), args.seconds,
                           args.eval_every) if accuracy else None
@@ -445,11 +449,11 @@ def posttrain_worker(args) -> dict:
         return step
 
     wrap_method(OnlineRLModule, "training_step", training_step)
-    wrap_method(OnlineRLModule, "generate",
+    wrap_method(PolicySampler, "generate",  # the collect stage's sampler (held-out evaluation is not timed)
                 lambda f: timer.timed(f, "generation", lambda batch: int(batch.response_mask.sum())))
-    for name, part in (("annotate", "logprobs"), ("training_forward", "forward"), ("manual_backward", "backward"),
-                       ("optimiser_step", "optimiser")):
-        wrap_method(OnlineRLModule, name, lambda f, part=part: timer.timed(f, part))
+    for owner, name, part in ((OnlineRLModule, "annotate", "logprobs"), (Learner, "training_forward", "forward"),
+                              (OnlineRLModule, "manual_backward", "backward"), (Learner, "optimiser_step", "optimiser")):
+        wrap_method(owner, name, lambda f, part=part: timer.timed(f, part))
     run(cfg, announce=False)
 
     module = seen["module"]

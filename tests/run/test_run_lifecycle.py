@@ -135,8 +135,8 @@ def test_a_sweep_over_algorithms_writes_one_directory_that_sweep_table_reads(tmp
     from sweep_table import load_runs
 
     runs = load_runs(sweep)
-    assert sorted(run["choices"]["algorithm"] for run in runs) == ["dr_grpo", "grpo"]
-    assert all(run["overrides"]["algorithm.group_size"] == "2" for run in runs)
+    assert sorted(run.choices["algorithm"] for run in runs) == ["dr_grpo", "grpo"]
+    assert all(run.overrides["algorithm.group_size"] == "2" for run in runs)
 
 
 def test_a_resumed_run_keeps_its_wandb_run(tmp_path):
