@@ -14,6 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from posttrain.prepare.source_key import imported_module
+
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "posttrain"
 
 # Bottom up. A room imports rooms of lower layers only.
@@ -101,11 +103,7 @@ def read_graph(root: Path = SOURCE) -> Graph:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")
-                    anchor = anchor[: len(anchor) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
+                base = imported_module(node, package)
                 targets = [f"{base}.{alias.name}" for alias in node.names]
             else:
                 continue

@@ -88,6 +88,16 @@ def lazy_import_comments(tree: ast.AST, lines: list[str]) -> dict[int, str]:
     return comments
 
 
+def imported_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a `from ... import` reads, its dots resolved against `package`."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    anchor = package.split(".")
+    anchor = anchor[: len(anchor) - node.level + 1]
+    return ".".join(anchor + ([base] if base else []))
+
+
 def read_module(name: str, path: Path) -> Module:
     text = path.read_text()
     tree = ast.parse(text)
@@ -100,11 +110,7 @@ def read_module(name: str, path: Path) -> Module:
         if isinstance(node, ast.Import):
             targets = [(alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
+            base = imported_module(node, package)
             targets = [(base, tuple(alias.name for alias in node.names))]
             if node in tree.body:
                 names_from.update({alias.asname or alias.name: (base, alias.name) for alias in node.names})
