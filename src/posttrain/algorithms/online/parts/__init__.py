@@ -21,14 +21,13 @@ from posttrain.algorithms.online.parts.reference import ReferenceKL
 def model_parts(policy, roles, *, kl_estimator, advantage_name: str, critic, distill, scoring, batches_seen) -> list:
     """The parts with a model of their own (the reference, the critic, the teacher), built in
     this order before the reward (a critic's value head draws from the global RNG)."""
-    rules.refuse(rules.gae_critic_problem(advantage_name, critic is not None))
+    rules.refuse(rules.gae_critic_problem(advantage_name, critic is not None),
+                 rules.kl_placement_problem(kl_estimator.name, kl_estimator.coef, kl_estimator.placement))
     parts = []
     if rules.uses_kl(kl_estimator.name, kl_estimator.coef):
         parts.append(ReferenceKL(kl_estimator, policy, roles.reference, scoring))
-    else:
-        rules.refuse(rules.kl_placement_problem(kl_estimator.name, kl_estimator.coef, kl_estimator.placement))
     if critic is not None:
-        parts.append(Critic(critic, policy, roles.critic, advantage_name))
+        parts.append(Critic(critic, policy, roles.critic))
     distill = distill_settings(distill)
     if distill is not None:
         parts.append(Distillation(distill, policy, roles.teacher, advantage_name, scoring, batches_seen))

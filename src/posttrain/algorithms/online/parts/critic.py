@@ -7,7 +7,6 @@ its own, and may train alone for `warmup_batches` rollout batches before the pol
 from __future__ import annotations
 
 from posttrain import core
-from posttrain.algorithms import rules
 from posttrain.algorithms.online.part import Part
 from posttrain.algorithms.online.terms import MicroBatch
 from posttrain.core.options import POSITIVE, Option, integer, number, optional
@@ -41,8 +40,7 @@ class Critic(Part):
     name = "critic"
     prefix = "critic"
 
-    def __init__(self, critic, policy, critic_role, advantage_name: str):
-        rules.refuse(rules.gae_critic_problem(advantage_name, True))
+    def __init__(self, critic, policy, critic_role):
         self.shared_backbone = bool(critic_role.get("shared_backbone", False))
         self.value_model = ValueModel(policy if self.shared_backbone else build_role("critic", critic_role, policy))
         self.warmup_batches = critic.warmup_batches

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from posttrain import core
-from posttrain.algorithms import rules
 from posttrain.algorithms.formulas import resolve_kl
 from posttrain.algorithms.online.part import Part
 from posttrain.algorithms.online.terms import MicroBatch, renamed_aggregation
@@ -50,7 +49,6 @@ class ReferenceKL(Part):
     name = "reference"
 
     def __init__(self, kl_estimator, policy, reference_role, scoring):
-        rules.refuse(rules.kl_placement_problem(kl_estimator.name, kl_estimator.coef, kl_estimator.placement))
         self.kl, self.kl_name, self.kl_options = resolve_kl(kl_estimator)  # formulas.py: a built-in or a _target_
         self.placement = kl_estimator.placement
         self.controller = build_controller(kl_estimator)
