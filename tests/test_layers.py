@@ -24,6 +24,7 @@ LAYERS = (
     ("distributed",),                         # collectives, per-rank state, FSDP2 sharding
     ("models",),                              # networks and weights, the training forward
     ("rollout", "data", "run"),               # sampling engines; tasks and batches; a run's plumbing
+    ("envs",),                                # environments: episodes, tools, the code sandbox
     ("rewards",),                             # a rollout batch -> reward samples
     ("algorithms", "prepare"),                # the LightningModules; what is made once before training
     ("config", "eval"),                       # what conf/ accepts; posttrain-eval, best-of-N, report

@@ -1,0 +1,1 @@
+"""Environments: multi-turn episodes, tools, and the sandbox model-written code runs in."""
