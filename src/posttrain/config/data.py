@@ -28,7 +28,9 @@ DATA_SPECS: dict[str, Spec] = {
     "data.seed": SEED,
     "data.min_steps": integer(1).about("word problems: fewest steps per story"),
     "data.max_steps": integer(1).about("word problems: most steps per story"),
-    "data.max_number": integer(2).about("word problems: the largest number written in a story"),
+    "data.max_number": integer(2).about("word problems: the largest number written in a story; guess_number: "
+                                        "the largest secret"),
+    "data.max_turns": integer(1).about("guess_number: the episode's turns (env.max_turns reads it)"),
     "data.operations": list_of(choice(*OPERATIONS)).about("word problems: the operations a step may use"),
     "data.distractors": number(0, 1).about("word problems: share of stories with an irrelevant sentence"),
     "data.shots": integer(0).about("word problems: worked examples before the question"),

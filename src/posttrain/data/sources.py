@@ -14,6 +14,7 @@ from pathlib import Path
 
 from posttrain.data import arithmetic
 from posttrain.data.examples import Example, ListSource, PromptLimits
+from posttrain.data.guess_number import build_guess_number_source
 from posttrain.data.hub import build_hub_source
 from posttrain.data.steps import StepRule
 from posttrain.data.templates import check_messages, last_user_content
@@ -209,7 +210,7 @@ def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = N
     return examples
 
 
-SOURCES = ("arithmetic", "word_problems", "jsonl", "gsm8k", "math", "prompt_answer")
+SOURCES = ("arithmetic", "word_problems", "guess_number", "jsonl", "gsm8k", "math", "prompt_answer")
 
 
 def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
@@ -224,6 +225,8 @@ def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
         )
     elif data_cfg.source == "word_problems":
         source = build_word_problem_source(data_cfg)
+    elif data_cfg.source == "guess_number":
+        source = build_guess_number_source(data_cfg)
     elif data_cfg.source == "jsonl":
         source = JsonlSource(dict(data_cfg.files))
     elif data_cfg.source in SOURCES:
