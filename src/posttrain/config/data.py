@@ -8,6 +8,7 @@ from __future__ import annotations
 from posttrain.config.spec import (POSITIVE, PROBABILITY, SEED, Spec, Values, boolean, choice, integer, list_of, number,
                                    optional, pattern, rule, text)
 from posttrain.data.arithmetic import STYLES
+from posttrain.data.code_tasks import FAMILIES
 from posttrain.data.curriculum import CURRICULA
 from posttrain.data.hub import REQUIRED_COLUMNS
 from posttrain.data.preference import embedded_heads_problem
@@ -34,6 +35,7 @@ DATA_SPECS: dict[str, Spec] = {
     "data.operations": list_of(choice(*OPERATIONS)).about("word problems: the operations a step may use"),
     "data.distractors": number(0, 1).about("word problems: share of stories with an irrelevant sentence"),
     "data.shots": integer(0).about("word problems: worked examples before the question"),
+    "data.families": optional(list_of(choice(*FAMILIES))).about("code tasks: the task families drawn; null: all"),
     "data.step_separators": optional(list_of(pattern(r"(?s).+", "a non-empty string"))).about("process rewards: a step ends at each token holding one"),
     "data.max_response_tokens": integer(1).about("generation budget in tokens"),
     "data.max_prompt_tokens": optional(integer(1)).about("null: the model's context decides"),

@@ -2,8 +2,9 @@
 
 A source hands out `Example`s by (split, index) and judges generated responses. Kinds:
 `arithmetic` (generated, endless, verifiable), `word_problems` (generated GSM8K-shaped stories,
-data/word_problems.py), `jsonl` (your files), and the datasets-backed `gsm8k`, `math` and
-`prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet).
+data/word_problems.py), `code_tasks` (generated Python functions with unit tests, scored in the
+sandbox by env=code: data/code_tasks.py), `jsonl` (your files), and the datasets-backed `gsm8k`,
+`math` and `prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from posttrain.data import arithmetic
+from posttrain.data.code_tasks import build_code_task_source
 from posttrain.data.examples import Example, ListSource, PromptLimits
 from posttrain.data.guess_number import build_guess_number_source
 from posttrain.data.hub import build_hub_source
@@ -210,7 +212,7 @@ def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = N
     return examples
 
 
-SOURCES = ("arithmetic", "word_problems", "guess_number", "jsonl", "gsm8k", "math", "prompt_answer")
+SOURCES = ("arithmetic", "word_problems", "guess_number", "code_tasks", "jsonl", "gsm8k", "math", "prompt_answer")
 
 
 def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
@@ -227,6 +229,8 @@ def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
         source = build_word_problem_source(data_cfg)
     elif data_cfg.source == "guess_number":
         source = build_guess_number_source(data_cfg)
+    elif data_cfg.source == "code_tasks":
+        source = build_code_task_source(data_cfg)
     elif data_cfg.source == "jsonl":
         source = JsonlSource(dict(data_cfg.files))
     elif data_cfg.source in SOURCES:
