@@ -130,7 +130,7 @@ def clamp(rng):
 
 def fizzbuzz(rng):
     n = rng.choice(("n", "k", "number"))
-    a, b = rng.sample(range(2, 8), 2)
+    a, b = rng.choice([(a, b) for a in range(2, 8) for b in range(2, 8) if a % b and b % a])  # each can divide alone
     one, two = rng.choice((("Fizz", "Buzz"), ("Foo", "Bar"), ("Ping", "Pong"), ("Tick", "Tock"), ("Zip", "Zap")))
     name = rng.choice(("fizz_buzz", "label_number", "word_for", "tag_number"))
     return Draft((name, n), f"returns {one + two!r} when `{n}` is divisible by both {a} and {b}, {one!r} when it "
@@ -157,7 +157,7 @@ def running(rng):
 def digit_sum(rng):
     n, base = rng.choice(("n", "number", "k")), rng.choice((2, 3, 5, 7, 8, 10, 10, 10))
     name = rng.choice(("digit_sum", "sum_of_digits", "digits_total"))
-    where = "its decimal digits" if base == 10 else f"its digits when written in base {base}"
+    where = f"the decimal digits of `{n}`" if base == 10 else f"the digits of `{n}` written in base {base}"
     return Draft((name, n), f"returns the sum of {where}, for a non-negative integer `{n}`",
                  ("total = 0", f"while {n} > 0:", f"    total += {n} % {base}", f"    {n} //= {base}",
                   "return total"),
@@ -298,12 +298,13 @@ def count_substring(rng):
 def differences(rng):
     xs, absolute = rng.choice(LIST_NAMES), rng.random() < 0.4
     name = rng.choice(("differences", "deltas", "steps_between", "pairwise_diff"))
-    what = "the absolute difference between" if absolute else "the difference"
+    what, of = ("absolute differences", "the absolute value of ") if absolute else ("differences", "")
     diff = "abs(b - a)" if absolute else "b - a"
-    detail = "each element and the one before it" if absolute else "each element minus the one before it"
-    return Draft((name, xs), f"returns the list of {what} {detail}, for consecutive elements of the list `{xs}` "
-                             f"(one element shorter than `{xs}`, empty when it has fewer than two)",
-                 (f"return [{diff} for a, b in zip({xs}, {xs}[1:])]",), [([],), ([5],)], lambda: _lists(rng, 12, min_len=2))
+    return Draft((name, xs), f"returns the list of the {what} between consecutive elements of the list `{xs}`: for "
+                             f"each element after the first, {of}it minus the element before it (an empty list when "
+                             f"`{xs}` has fewer than two elements)",
+                 (f"return [{diff} for a, b in zip({xs}, {xs}[1:])]",), [([],), ([5],)],
+                 lambda: _lists(rng, 12, min_len=2))
 
 
 def first_index(rng):
