@@ -30,6 +30,7 @@ from posttrain.algorithms.online.sampler import PolicySampler
 from posttrain.distributed import collectives
 from posttrain.distributed.collectives import rank_and_world
 from posttrain.distributed.sharding import full_state_dict
+from posttrain.envs.guess_number import GuessNumber
 from posttrain.train import run
 
 from conftest import EASY_TASK, FAST_RUN, RANKS_START_METHOD, compose_config, free_port
@@ -113,6 +114,30 @@ def sft_config(out_dir, *trainer):
     return cfg
 
 
+class TurnsByRank(GuessNumber):
+    """Guess the number, but rank 1's episodes end after one turn: the ranks run different numbers
+    of turns (and generate calls, and tokens) per rollout batch and per held-out evaluation."""
+
+    def start(self, example):
+        episode = super().start(example)
+        episode.max_turns = 1 if int(os.environ.get("RANK", "0")) == 1 else self.max_turns
+        return episode
+
+
+def episodes_config(out_dir, *trainer):
+    """Multi-turn GRPO from a random policy: its guesses are rarely numbers, so rank 0's episodes
+    run to the budget or 3 turns, rank 1's end after one."""
+    cfg = compose_config([*FAST_RUN, *SMALL_MODEL, *trainer, "experiment=guess_number", "algorithm.warm_start.steps=0",
+                          "env._target_=test_uneven_ranks.TurnsByRank", f"algorithm.prompts_per_step={PROMPTS_PER_STEP}",
+                          f"algorithm.group_size={GROUP_SIZE}", f"algorithm.micro_batch_size={MICRO_BATCH}",
+                          "algorithm.num_minibatches=2", "trainer.max_steps=2", "trainer.val_check_interval=1",
+                          "callbacks.checkpoint.every_n_train_steps=2", "eval.at_start=false",
+                          f"eval.num_prompts={HELD_OUT_PROMPTS}", "eval.batch_size=2", "num_threads=1",
+                          f"paths.cache_dir={out_dir}/cache"], out_dir)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
 HEADS = ("correct", "concise")
 
 
@@ -135,6 +160,8 @@ def case_configs(kind: str, trainer: tuple[str, ...], out) -> list[dict]:
             cfg = async_config(rank_dir, *trainer)
         elif kind == "sft":
             cfg = sft_config(rank_dir, *trainer)
+        elif kind == "grpo_episodes":
+            cfg = episodes_config(rank_dir, *trainer)
         elif kind == "prm":  # from a random policy (model.init_from=null): the rows' labels do not matter here
             cfg = prm_config(rank_dir, "null", 2, *trainer)
         elif kind == "reward_model_heads":  # two heads, the pairs alternating between them
@@ -147,11 +174,11 @@ def case_configs(kind: str, trainer: tuple[str, ...], out) -> list[dict]:
 
 
 # what each case counts once over the ranks, and the Hugging Face class its export loads with
-HELD_OUT = {"grpo": HELD_OUT_PROMPTS, "grpo_async": HELD_OUT_PROMPTS, "ppo": HELD_OUT_PROMPTS, "sft": HELD_OUT_PROMPTS, "dpo": HELD_OUT_PROMPTS,
+HELD_OUT = {"grpo": HELD_OUT_PROMPTS, "grpo_async": HELD_OUT_PROMPTS, "grpo_episodes": HELD_OUT_PROMPTS, "ppo": HELD_OUT_PROMPTS, "sft": HELD_OUT_PROMPTS, "dpo": HELD_OUT_PROMPTS,
             "reward_model": VALIDATION_PAIRS, "reward_model_heads": VALIDATION_PAIRS, "prm": VALIDATION_PROMPTS}
 EXPORT_CLASS = {"reward_model": AutoModelForSequenceClassification,
                 "reward_model_heads": AutoModelForSequenceClassification, "prm": AutoModelForTokenClassification}
-KINDS = ("grpo", "grpo_async", "ppo", "dpo", "reward_model", "reward_model_heads", "prm", "sft")
+KINDS = ("grpo", "grpo_async", "grpo_episodes", "ppo", "dpo", "reward_model", "reward_model_heads", "prm", "sft")
 TRAINERS = {"ddp": DDP, "fsdp": ("trainer=fsdp",)}
 
 
@@ -166,6 +193,7 @@ def recording_modules() -> list:
     def init(self, *args, original=PosttrainModule.__init__, **kwargs):
         original(self, *args, **kwargs)
         self.update_rows, self.minibatches, self.counted_prompts, self.generate_calls = [], [], None, 0
+        self.turns = []  # per rollout batch, each row's policy turns (with an environment)
         built.append(self)
 
     def generate(self, *args, original=PosttrainModule.generate, **kwargs):
@@ -174,6 +202,8 @@ def recording_modules() -> list:
 
     def update(self, exp, *args, original=OnlineRLModule.update, **kwargs):
         self.update_rows.append(len(exp))
+        if exp.turns is not None:
+            self.turns.append(exp.turns.tolist())
         return original(self, exp, *args, **kwargs)
 
     def sample(self, *args, original=PolicySampler.generate, **kwargs):
@@ -220,7 +250,7 @@ def cases_worker(rank, port, cases, out_dir):
             record = {"summary": summary, "held_out": held_out_counted(module, kind),
                       "weights": full_state_dict(module.policy, rank0_only=False),  # gathered under fsdp
                       "update_rows": module.update_rows, "minibatches": module.minibatches,
-                      "generate_calls": module.generate_calls,
+                      "generate_calls": module.generate_calls, "turns": module.turns,
                       "batches": module.train_batches_seen}
             torch.save(record, out_dir / f"{kind}.rank{rank}.pt")
             dist.barrier()
@@ -321,8 +351,25 @@ def test_online_rl_on_uneven_ranks_takes_the_configured_steps_and_equals_one_pro
         assert mismatch[0]["rollout/mismatch/over_budget_batches"] == 1.0
         assert mismatch[0]["rollout/mismatch/kl"] > 0 and "rollout/mismatch/masked_frac" in mismatch[0]
 
-    # one process stepping on the union of the ranks' minibatches, in order: the same weights
-    cfg = online_config(tmp_path, kind, "+trainer.limit_val_batches=0")
+    assert_one_process_steps_to_the_same_weights(online_config(tmp_path, kind, "+trainer.limit_val_batches=0"), ranks,
+                                                 steps)
+
+
+def test_multi_turn_episodes_of_uneven_ranks_agree_and_equal_one_process(uneven_job, tmp_path):
+    ranks = finished(uneven_job, "grpo_episodes")
+    turns = [sorted({t for batch in rank["turns"] for t in batch}) for rank in ranks]
+    assert turns[1] == [1] and max(turns[0]) > 1  # the ranks ran different numbers of turns
+    assert ranks[0]["summary"]["global_step"] == ranks[1]["summary"]["global_step"] == 2
+    for name in ("eval/accuracy", "eval/response_len"):  # reduced over the ranks
+        if name in ranks[0]["summary"]:
+            assert ranks[0]["summary"][name] == ranks[1]["summary"][name], name
+    cfg = episodes_config(tmp_path, "+trainer.limit_val_batches=0")
+    assert_one_process_steps_to_the_same_weights(cfg, ranks, 2)
+
+
+def assert_one_process_steps_to_the_same_weights(cfg, ranks, steps):
+    """One process stepping on the union of the ranks' minibatches, in order, ends at the weights
+    the ranks ended at."""
     _, _, single, datamodule = build_run(cfg)
     unions = []
     for (_, mine), (_, theirs) in zip(ranks[0]["minibatches"], ranks[1]["minibatches"]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import lightning as L
@@ -14,10 +14,11 @@ from lightning.pytorch.loggers import WandbLogger
 from torch.distributed.tensor import DTensor
 
 from posttrain.core import calibration_bins, calibration_error, pass_at_k, reliability
-from posttrain.data.datamodule import collate_prompts
+from posttrain.data.datamodule import collate_prompts, prompt_token_ids
 from posttrain.data.panel import panel_examples
-from posttrain.distributed.collectives import all_reduce_sum, average_gradients, rank_and_world
+from posttrain.distributed.collectives import all_reduce_sum, any_rank_needs, average_gradients, rank_and_world
 from posttrain.distributed.sharding import GatheringEngine, is_sharded, shard_module
+from posttrain.envs.episodes import Budget, Episodes, last_turn_text, marked_text, transcript
 from posttrain.errors import ConfigError
 from posttrain.files import write_jsonl_atomic
 from posttrain.models.loading import stop_token_ids
@@ -46,19 +47,39 @@ class Scored:
     # the policy's probability of each response: exp of the sum of its tokens' log-probs (EOS
     # included) as the sampler reported them; empty where not measured
     confidence: list[float] = field(default_factory=list)
+    # with an environment: each episode's last turn, its rewards summed, its verdict and its
+    # transcript ([{"role": "policy" | "env", "text"}]); `texts` then mark the environment's turns
+    finals: list[str] = field(default_factory=list)
+    env_returns: list[float] = field(default_factory=list)
+    env_correct: list = field(default_factory=list)
+    transcripts: list[list[dict]] = field(default_factory=list)
 
     def rows(self, keep: list[int]) -> "Scored":
         """The responses of rows `keep` only."""
         return Scored(*([values[i] for i in keep] for values in (self.texts, self.correct, self.lengths,
                                                                  self.truncated)),
-                      confidence=[self.confidence[i] for i in keep] if self.confidence else [])
+                      **{name: [getattr(self, name)[i] for i in keep] if getattr(self, name) else []
+                         for name in ("confidence", "finals", "env_returns", "env_correct", "transcripts")})
+
+    def as_samples(self, examples) -> list:
+        """The first len(examples) responses as reward samples (an episode's: its last turn, with
+        its rewards, verdict and transcript)."""
+        n = len(examples)
+        texts = self.finals[:n] if self.finals else self.texts[:n]
+        samples = held_out_samples(examples, texts, self.lengths[:n], self.truncated[:n])
+        for i, sample in enumerate(samples if self.finals else ()):
+            sample.env_return, sample.env_correct = self.env_returns[i], self.env_correct[i]
+            sample.transcript = self.transcripts[i]
+        return samples
 
 
 def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingParams,
                        generator: torch.Generator | None = None) -> Scored:
     """One response per prompt row of `batch` (from `collate_prompts`), judged by the task's
     verifier. Held-out evaluation, its pass@k and `posttrain-eval` all score through here, so
-    their numbers mean the same thing."""
+    their numbers mean the same thing. With an environment each row is an episode (`play_and_score`)."""
+    if getattr(module, "env", None) is not None:
+        return play_and_score(module, batch, params, generator)
     rollout = module.generate(batch["prompt_ids"], batch["prompt_mask"], params, generator=generator)
     texts = decode_responses(module.tokenizer, rollout.response_ids, rollout.response_mask)
     correct = [float(module.source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
@@ -67,6 +88,39 @@ def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingP
     # The clamp only removes float rounding above 1.
     confidence = rollout.logprobs.double().sum(dim=1).exp().clamp(0.0, 1.0).tolist()
     return Scored(texts, correct, rollout.response_lengths().float().tolist(), rollout.truncated.tolist(), confidence)
+
+
+def play_and_score(module: "PosttrainModule", batch: dict, params: SamplingParams,
+                   generator: torch.Generator | None = None) -> Scored:
+    """An episode per example of `batch` with the module's environment, turn after turn, each
+    generate call over the episodes under way; judged by the environment's verdict where it gives
+    one, else by the task's verifier on the last turn. The ranks make the same number of calls
+    (under FSDP each is a collective): a rank whose episodes have ended joins with a stand-in."""
+    episodes = Episodes(module.env, module.tokenizer, Budget(params.max_new_tokens, module.turn_tokens,
+                                                             module.env.max_turns),
+                        stop_token_ids(module.tokenizer, module.policy))
+    trajectories = []
+    for group, example in enumerate(batch["examples"]):
+        example = module.env.prepare(example)
+        prompt = torch.tensor(prompt_token_ids(example, module.tokenizer), dtype=torch.long)
+        trajectories.append(episodes.start(example, group, prompt, with_support=False))
+    while any_rank_needs(sum(not t.ended for t in trajectories)):
+        active = [t for t in trajectories if not t.ended]
+        rows = active or trajectories[:1]  # a stand-in: generated, never extended
+        ids, mask = episodes.inputs(rows, module.tokenizer.pad_token_id)
+        call = replace(params, max_new_tokens=episodes.call_budget(rows, None) if active else 1)
+        rollout = module.generate(ids.to(module.device), mask.to(module.device), call, generator=generator)
+        for i, trajectory in enumerate(active):
+            episodes.extend(trajectory, rollout, i, version=0)
+    finals = [last_turn_text(t, module.tokenizer) for t in trajectories]
+    correct = [float(t.correct) if t.correct is not None else float(module.source.is_correct(t.example, final))
+               for t, final in zip(trajectories, finals)]
+    transcripts = [transcript(t, module.tokenizer) for t in trajectories]
+    return Scored([marked_text(parts) for parts in transcripts], correct,
+                  [float(t.policy_mask().sum()) for t in trajectories], [t.truncated for t in trajectories],
+                  confidence=[math.exp(min(0.0, float(t.logprobs.double().sum()))) for t in trajectories],
+                  finals=finals, env_returns=[sum(t.turn_rewards) for t in trajectories],
+                  env_correct=[t.correct for t in trajectories], transcripts=transcripts)
 
 
 def count_correct_samples(module: "PosttrainModule", batch: dict, params: SamplingParams, num_samples: int,
@@ -89,6 +143,9 @@ def count_correct_samples(module: "PosttrainModule", batch: dict, params: Sampli
 
 class PosttrainModule(L.LightningModule):
     """Base of all algorithms. Subclasses write `training_step` and call `self.evaluate`."""
+
+    env = None          # an environment (envs/): held-out prompts are then episodes (online RL sets it)
+    turn_tokens = None  # its policy turns' token budget (None: the rest of the episode's)
 
     def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens: int,
                  max_grad_norm: float | None = 1.0):
@@ -285,25 +342,27 @@ class PosttrainModule(L.LightningModule):
 
     def sample_rows(self, examples, scored: Scored) -> list[dict]:
         """Rows of the samples table for the first len(examples) responses of `scored`."""
-        n = len(examples)
-        rewards = self.sample_rewards(examples, scored.texts[:n], scored.lengths[:n], scored.truncated[:n],
-                                      scored.correct[:n])
-        return [{"prompt": example.prompt, "response": text, "reward": float(reward), "correct": bool(correct)}
+        rewards = self.sample_rewards(examples, scored)
+        rows = [{"prompt": example.prompt, "response": text, "reward": float(reward), "correct": bool(correct)}
                 for example, text, reward, correct in zip(examples, scored.texts, rewards, scored.correct)]
+        for row, parts in zip(rows, scored.transcripts):  # an episode's turns, the environment's marked
+            row["transcript"] = parts
+        return rows
 
-    def sample_rewards(self, examples, texts, lengths, truncated, correct) -> list[float]:
-        """The reward of held-out responses (`reward_components`' total)."""
-        return self.reward_components(examples, texts, lengths, truncated, correct)[0]
+    def sample_rewards(self, examples, scored: Scored) -> list[float]:
+        """The reward of the first len(examples) held-out responses (`reward_components`' total)."""
+        return self.reward_components(examples, scored)[0]
 
-    def reward_components(self, examples, texts, lengths, truncated, correct) -> tuple[list[float], dict]:
+    def reward_components(self, examples, scored: Scored) -> tuple[list[float], dict]:
         """The reward of held-out responses and its components ({name: per response}): the
         training reward where the module has one (online RL's `reward_fn`, each response scored
         as a group of its own), else the task's correctness as the one component `accuracy`
         (SFT and offline algorithms; what `reward=accuracy` would score)."""
         reward_fn = getattr(self, "reward_fn", None)
         if reward_fn is None:
+            correct = scored.correct[:len(examples)]
             return list(correct), {"accuracy": list(correct)}
-        output = reward_fn(held_out_samples(examples, texts, lengths, truncated), self.source)
+        output = reward_fn(scored.as_samples(examples), self.source)
         return output.total.tolist(), {name: scores.tolist() for name, scores in output.components.items()}
 
     def learned_scorers(self) -> list:
@@ -318,7 +377,7 @@ class PosttrainModule(L.LightningModule):
         scorers = self.learned_scorers()
         if not scorers:
             return []
-        samples = held_out_samples(examples, scored.texts, scored.lengths, scored.truncated)
+        samples = scored.as_samples(examples)
         per_scorer = [torch.as_tensor(fn(samples, self.source), dtype=torch.float32).cpu() for fn in scorers]
         return torch.stack(per_scorer).mean(dim=0).tolist()
 
@@ -371,8 +430,7 @@ class PosttrainModule(L.LightningModule):
 
     def panel_rows(self, examples, scored: Scored) -> list[dict]:
         """One line of a panel file per response (docs/panel.md)."""
-        totals, components = self.reward_components(examples, scored.texts, scored.lengths, scored.truncated,
-                                                     scored.correct)
+        totals, components = self.reward_components(examples, scored)
         rows = []
         for i, example in enumerate(examples):
             rows.append({"batch": self.train_batches_seen, "step": self.trainer.global_step, "prompt": example.prompt,
@@ -381,6 +439,8 @@ class PosttrainModule(L.LightningModule):
                          "components": {name: float(values[i]) for name, values in components.items()},
                          "correct": bool(scored.correct[i]), "length": int(scored.lengths[i]),
                          "truncated": bool(scored.truncated[i])})
+            if scored.transcripts:  # an episode: its turns, the environment's marked
+                rows[-1]["transcript"] = scored.transcripts[i]
         return rows
 
     def log_calibration(self, bins: torch.Tensor) -> None:

@@ -36,6 +36,10 @@ class Experience:
     # [B] the score of reward.constraint's cost component (out of `scores`): the trainer adds it,
     # times its own lambda, since the reward stage may run in a producer process that holds no lambda
     cost: torch.Tensor | None = None
+    # --- with an environment (envs/): a trajectory of several turns ---
+    env_mask: torch.Tensor | None = None       # [B, T] float, 1 = the environment's token: read, never trained on
+    turn_rewards: torch.Tensor | None = None   # [B, T] each turn's weighted reward at the turn's last token
+    turns: torch.Tensor | None = None          # [B] long, policy turns
     # --- annotate: one field per scorer ---
     old_logp: torch.Tensor | None = None   # [B, T] pi_old (None on-policy: the training forward's own)
     ref_logp: torch.Tensor | None = None   # [B, T] frozen reference
@@ -46,10 +50,25 @@ class Experience:
     advantages: torch.Tensor | None = None     # [B, T]
     returns: torch.Tensor | None = None        # [B, T] critic targets
 
+    def sequence_mask(self) -> torch.Tensor:
+        """[B, T] the response tokens a forward reads: the policy's and the environment's.
+        `response_mask` (the policy's alone) is what every loss, KL and entropy counts."""
+        return self.response_mask if self.env_mask is None else self.response_mask + self.env_mask
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(prompt_ids, prompt_mask, response_ids, sequence_mask): what a model's forward takes."""
+        return self.prompt_ids, self.prompt_mask, self.response_ids, self.sequence_mask()
+
+    def policy_tokens_only(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """`x` [B, T] with the environment's positions set to 0 (a forward scores them too)."""
+        if x is None or self.env_mask is None:
+            return x
+        return torch.where(self.response_mask.bool(), x, torch.zeros_like(x))
+
     def without_trailing_padding(self) -> "Experience":
         """Drop the response columns that are padding in every row. Attention is causal, so
         they never touch a real token: removing them changes no log-prob, only the cost."""
-        width = max(1, int(self.response_mask.sum(dim=1).max()))
+        width = max(1, int(last_token_index(self.sequence_mask()).max()) + 1)
         return replace(self, **{f.name: getattr(self, f.name)[:, :width] for f in fields(self)
                                 if f.name in PER_TOKEN and getattr(self, f.name) is not None})
 
@@ -87,6 +106,13 @@ class Experience:
 
 
 PER_TOKEN = ("response_ids", "response_mask", "rollout_logprobs", "support_size", "support_logprobs", "step_rewards",
-             "step_mask", "policy_version", "old_logp", "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
+             "step_mask", "env_mask", "turn_rewards", "policy_version", "old_logp", "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
 
 
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """[B] the index of each row's last token in `mask` [B, T] (0 for an empty row). Not the
+    mask's sum - 1: a multi-turn response has the environment's tokens between the policy's."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return ((mask > 0).long() * positions).amax(dim=1).sub(1).clamp(min=0)

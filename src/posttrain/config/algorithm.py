@@ -18,7 +18,7 @@ from posttrain.core.schedules import SCHEDULES
 from posttrain.data.pretraining import names_a_file
 
 # The groups only online RL reads: an algorithm of another kind refuses a choice in them.
-ONLINE_ONLY_GROUPS = ("advantage", "kl_estimator", "data_curriculum")
+ONLINE_ONLY_GROUPS = ("advantage", "kl_estimator", "data_curriculum", "env")
 # The preference losses with an `algorithm.length_normalize` option (core.per_token_log_ratios)
 LENGTH_NORMALIZED_LOSSES = ("dpo", "ipo")
 

@@ -28,13 +28,13 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from posttrain.config import advantage, algorithm, data, kl_estimator, models, numerics, rewards, roles, rollout, run
+from posttrain.config import advantage, algorithm, data, env, kl_estimator, models, numerics, rewards, roles, rollout, run
 from posttrain.config.dry_run import dry_run_problems
 from posttrain.config.spec import MISSING, Rule, Spec, Unusable, Values
 from posttrain.errors import ConfigError
 
 # The files that say what the keys of conf/ accept, one a config group (or top-level node).
-GROUP_FILES = (run, roles, models, algorithm, rollout, data, kl_estimator, advantage, rewards, numerics)
+GROUP_FILES = (run, roles, models, algorithm, rollout, data, kl_estimator, advantage, rewards, numerics, env)
 
 
 def gather_specs() -> dict[str, Spec]:
@@ -97,6 +97,8 @@ RULES: tuple[Rule, ...] = (
     run.online_rl_steps_its_own_optimiser,
     run.accelerator_is_present,
     rollout.vllm_rollout_can_run,
+    env.env_options_fit_the_environment,
+    env.an_episode_fits_its_turn,
 )
 
 

@@ -59,14 +59,13 @@ class Episode(Protocol):
 class Environment:
     """The base every environment extends.
 
-    `max_turns` bounds an episode's policy turns; `alphabet` lists the characters its replies
-    may use (the embedded model's tokenizer is built from the task's characters and these).
-    Subclasses implement `start`, and may override `prepare` (the prompt an episode starts
+    `max_turns` bounds an episode's policy turns. (The embedded model's tokenizer knows the
+    characters of its task source only: an environment for it replies in those; a character
+    it lacks is an error naming it.) Subclasses implement `start`, and may override `prepare` (the prompt an episode starts
     from: a system prompt describing tools, say) and `check` (a start-up check of what the
     environment needs, like the sandbox's isolation)."""
 
     name = "environment"
-    alphabet = ""
 
     def __init__(self, max_turns: int = 1):
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
@@ -97,7 +96,13 @@ def observation_ids(reply: Reply, tokenizer) -> list[int]:
         text = reply.text
     else:
         return []
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is not None and unknown in ids:
+        raise ConfigError(f"an environment's reply {text!r:.80} has a character the tokenizer does not know "
+                          f"(the embedded model's vocabulary is its task's characters): reply in those, or give the "
+                          f"task source an alphabet that holds them")
+    return ids
 
 
 _PROBE = "\x00posttrain-probe\x00"  # an assistant message no real chat contains

@@ -106,6 +106,7 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
             sft_cfg.data.seed = sft_cfg.seed
         for group in ("advantage", "kl_estimator", "data_curriculum"):
             sft_cfg[group] = {"name": "none"}
+        sft_cfg.env = {"name": "none", "_target_": None}  # the task's reference responses: no episodes
         # how the RL run collects and corrects its rollout batches: an SFT run samples none
         for key, off in ONLINE_ROLLOUT_KEYS.items():
             if OmegaConf.select(sft_cfg, f"rollout.{key}") is not None:

@@ -23,6 +23,10 @@ class ScoredSample:
     repeated: bool = False  # stopped early because it started looping (rollout.repetition)
     steps: list[str] | None = None  # the response split into steps (data/steps.py), for process rewards
     prm_stopped: bool = False  # cut after a step its PRM scored below rollout.prm_stop_below
+    # --- an episode of an environment (envs/): `response` is then its last policy turn ---
+    env_return: float | None = None    # the environment's rewards, summed over the turns
+    env_correct: bool | None = None    # the environment's verdict, where it gave one (accuracy reads it first)
+    transcript: list[dict] | None = None  # [{"role": "policy" | "env", "text"}] the whole episode
 
     @property
     def ended(self) -> bool:

@@ -20,8 +20,10 @@ from posttrain.rewards.reward_model import RewardModelScorer
 
 
 def verify(samples: Sequence[ScoredSample], source) -> torch.Tensor:
-    """[B] bool: the task source's verdict on each final answer."""
-    return torch.tensor([bool(source.is_correct(s.example, s.response)) for s in samples], dtype=torch.bool)
+    """[B] bool: the verdict on each final answer: an environment's where its episode gave one,
+    else the task source's."""
+    return torch.tensor([bool(s.env_correct) if s.env_correct is not None else bool(source.is_correct(s.example, s.response))
+                         for s in samples], dtype=torch.bool)
 
 
 # What a length may be divided by (a reward's normalize_by): the generation budget.
@@ -214,6 +216,21 @@ class RepetitionReward:
         return -torch.tensor([s.repeated for s in samples], dtype=torch.float32)
 
 
+class EnvironmentReward:
+    """The rewards an environment's episode gave (envs/), summed over its turns. Algorithms that
+    give credit per token (advantage=gae, prm_step) see each turn's share at that turn's end,
+    times this component's weight. A sample that ran no episode is an error."""
+
+    name = "environment"
+
+    def __call__(self, samples: Sequence[ScoredSample], source) -> torch.Tensor:
+        missing = [i for i, s in enumerate(samples) if s.env_return is None]
+        if missing:
+            raise ValueError(f"reward component 'environment' scores an environment's episodes, but sample "
+                             f"{missing[0]} ran none: set env=<an environment> or drop the component")
+        return torch.tensor([s.env_return for s in samples], dtype=torch.float32)
+
+
 # Config name -> constructor. A constructor that declares a `max_new_tokens` parameter is given the
 # generation budget by `build_reward`; every other parameter is a config option.
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
@@ -224,6 +241,7 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "length_linear": LinearLengthPenalty,
     "response_length": ResponseLength,
     "repetition": RepetitionReward,
+    "environment": EnvironmentReward,
     "reward_model": RewardModelScorer,
     "prm": ProcessReward,
 }

@@ -39,6 +39,10 @@ class CompositeReward:
         self.on_error = on_error
         self.failure_score = float(failure_score)
 
+    def weight_of(self, name: str) -> float:
+        """The weight of component `name` (0 when it is not one of them)."""
+        return next((weight for fn, weight in self.components if fn.name == name), 0.0)
+
     def set_step(self, step: int) -> None:
         """Tell the components that count rollout batches (a warm-up) which batch is scored next."""
         for fn, _ in self.components:
@@ -68,6 +72,8 @@ class CompositeReward:
             if fn.name == ACCURACY:
                 # a sample whose verifier failed is not known to be correct, whatever failure_score is
                 correct = (scores == 1.0) & ~failed
+        if correct is None and samples and all(s.env_correct is not None for s in samples):
+            correct = torch.tensor([bool(s.env_correct) for s in samples])  # no verifier: the environment's verdicts
         metrics["rewards/total/mean"] = _mean(total)
         # answer checks cut by data.verify_timeout_s counted as wrong: logged, never silent
         take_timeouts = getattr(source, "take_verifier_timeouts", None)

@@ -25,14 +25,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from posttrain.algorithms.experience import Experience
 from posttrain.algorithms.online.sampler import PolicySampler
-from posttrain.data.datamodule import collate_prompts, left_padded, prompt_token_ids
-from posttrain.data.examples import Example
+from posttrain.data.datamodule import collate_prompts, prompt_token_ids
+from posttrain.envs.episodes import Budget, Episodes, Trajectory, TrajectoryBatch, as_batch, last_turn_text, transcript
 from posttrain.rewards.samples import rollout_samples
 from posttrain.rollout import RolloutBatch, SamplingParams
 from posttrain.rollout.repetition import first_repetition
@@ -66,37 +66,11 @@ class CollectedBatch:
 
 
 @dataclass
-class PartialResponse:
-    """A response of partial rollouts: its prompt, and what its segments have produced."""
-
-    example: object
-    group: int                   # its group's id, unique over the collector's life
-    prompt: torch.Tensor         # [P] the prompt's token ids
-    tokens: torch.Tensor         # [n] sampled so far
-    logprobs: torch.Tensor       # [n] the sampler's log-probs of them
-    versions: torch.Tensor       # [n] the policy version that sampled each
-    support_size: torch.Tensor | None = None      # [n] with keep_sampling_mask
-    support_logprobs: torch.Tensor | None = None  # [n]
-    segments: int = 0            # generate calls it took part in
-    ended: bool = False
-    truncated: bool = False      # ended at max_new_tokens without an EOS
-    repeated: bool = False       # ended by the repetition stop
-
-    def to_state(self) -> dict:
-        """Plain values and tensors (what a checkpoint loads with weights_only)."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "example"},
-                "example": asdict(self.example)}
-
-    @staticmethod
-    def from_state(state: dict) -> PartialResponse:
-        return PartialResponse(**{**state, "example": Example(**state["example"])})
-
-
-@dataclass
 class CollectSettings:
     """What one rollout batch is: `group_size` samples of `prompts_per_step` prompts drawn with
     `sampling`, ended by any of `eos_ids`; `partial_budget` tokens per generate call (partial
-    rollouts; None: whole responses). The rest comes from the parts that are on: a process
+    rollouts; None: whole responses); `env` an environment answering each turn (`turn_tokens` per
+turn, `max_new_tokens` in all). The rest comes from the parts that are on: a process
     reward's `step_rule`, `process_reward` and `prm_stop_below` (parts/process_rewards.py),
     the constraint's `cost_component` (parts/constraint.py)."""
 
@@ -106,6 +80,8 @@ class CollectSettings:
     seed: int
     eos_ids: list[int]
     partial_budget: int | None = None
+    env: object = None               # an Environment (envs/): multi-turn episodes
+    turn_tokens: int | None = None   # env.turn_tokens: a policy turn's budget (None: the rest)
     step_rule: object = None
     process_reward: object = None
     prm_stop_below: float | None = None
@@ -128,11 +104,14 @@ class Collector:
         self.eos_ids = torch.tensor(s.eos_ids, dtype=torch.long)
         self.step_rule, self.process_reward, self.prm_stop_below = s.step_rule, s.process_reward, s.prm_stop_below
         self.partial_budget = s.partial_budget
+        self.env = s.env
+        self.episodes = Episodes(s.env, tokenizer, Budget(s.sampling.max_new_tokens, s.turn_tokens,
+                                                          s.env.max_turns if s.env is not None else 1), s.eos_ids)
         self.rounds_agree = rounds_agree
         self.cost_component = s.cost_component  # reward.constraint's cost: its scores go to Experience.cost
         self.version = 0
         # partial rollouts: responses not ended, and ended groups waiting for a batch
-        self.pending: list[PartialResponse] = []
+        self.pending: list[Trajectory] = []
         self.ready: list[tuple[Experience, dict]] = []
         self.next_group = 0
         self._generate_s: list[float] = []
@@ -240,21 +219,58 @@ class Collector:
         return batch
 
     def sample_and_score(self, examples, first_group: int, generator, group_size: int | None = None):
-        """`group_size` samples of each example, scored: (Experience, reward metrics)."""
+        """`group_size` samples of each example, scored: (Experience, reward metrics). With an
+        environment each sample is an episode, run turn by turn to its end."""
         group_size = group_size or self.group_size
+        self._sampled[0] += len(examples) * group_size
+        if self.env is not None:
+            trajectories = self.start_trajectories(examples, first_group, group_size)
+            while any(not t.ended for t in trajectories):
+                self.advance([t for t in trajectories if not t.ended], None, generator)
+            return self.score_trajectories(trajectories)
         prompts = collate_prompts(examples, self.tokenizer)
         prompt_ids = prompts["prompt_ids"].to(self.device).repeat_interleave(group_size, dim=0)
         prompt_mask = prompts["prompt_mask"].to(self.device).repeat_interleave(group_size, dim=0)
         batch = self.timed_generate(prompt_ids, prompt_mask, self.sampling, generator)
-        self._sampled[0] += len(prompt_ids)
         groups = [first_group + i // group_size for i in range(len(batch.response_ids))]
         return self.score(batch, [examples[i // group_size] for i in range(len(groups))], groups)
 
-    def score(self, batch: RolloutBatch, examples: list, groups: list[int], versions=None, segments=None):
+    def start_trajectories(self, examples, first_group: int, group_size: int) -> list[Trajectory]:
+        """`group_size` trajectories of each example, nothing sampled yet (the environment's
+        episodes started), groups numbered from `first_group`."""
+        trajectories = []
+        for number, example in enumerate(examples):
+            if self.env is not None:
+                example = self.env.prepare(example)
+            prompt = torch.tensor(prompt_token_ids(example, self.tokenizer), dtype=torch.long)
+            for _ in range(group_size):
+                trajectories.append(self.episodes.start(example, first_group + number, prompt,
+                                                        self.sampling.return_support))
+        return trajectories
+
+    def advance(self, active: list[Trajectory], per_call: int | None, generator) -> None:
+        """One generate call over the trajectories under way: each gets at most `per_call`
+        tokens more (None: to the end of its turn), then its episode answers a turn it ended."""
+        ids, mask = self.episodes.inputs(active, self.tokenizer.pad_token_id)
+        params = replace(self.sampling, max_new_tokens=self.episodes.call_budget(active, per_call))
+        batch = self.timed_generate(ids.to(self.device), mask.to(self.device), params, generator)
+        for i, trajectory in enumerate(active):
+            self.episodes.extend(trajectory, batch, i, self.version)
+        self.stop_repeats_across_segments([t for t in active if t.segments > 1 and not t.repeated])
+
+    def score(self, batch: RolloutBatch, examples: list, groups: list[int], versions=None, segments=None,
+              trajectories: TrajectoryBatch | None = None, episodes: list[Trajectory] | None = None):
         """A sampled batch's responses scored (rows: `examples`, `groups`): (Experience, reward
         metrics). `versions` [B, T]: the policy version of each token (default: the current);
-        `segments` [B]: generate calls per response (default 1)."""
+        `segments` [B]: generate calls per response (default 1); `trajectories`, `episodes`:
+        what an environment added (its tokens, turn rewards), and the trajectories themselves."""
         samples, step_ends = rollout_samples(self.tokenizer, batch, examples, groups, self.step_rule)
+        if episodes is not None and self.env is not None:
+            for sample, trajectory in zip(samples, episodes):
+                # the final answer is the last turn; the environment's rewards and verdict ride along
+                sample.response = last_turn_text(trajectory, self.tokenizer)
+                sample.env_return, sample.env_correct = sum(trajectory.turn_rewards), trajectory.correct
+                sample.transcript = transcript(trajectory, self.tokenizer)
         prm_stopped = None
         if self.prm_stop_below is not None:
             samples, step_ends, prm_stopped = self.stop_at_low_prm_steps(batch, samples, step_ends)
@@ -271,6 +287,12 @@ class Collector:
             policy_version=(versions.to(self.device) * batch.response_mask).long(),
             segments=(segments if segments is not None else torch.ones(len(groups), dtype=torch.long)).to(self.device),
         )
+        if trajectories is not None and trajectories.env_mask is not None:
+            # each turn's reward where it was earned, weighted as the `environment` component is in `scores`
+            weight = self.reward_fn.weight_of("environment")
+            experience.env_mask, experience.turns = trajectories.env_mask, trajectories.turns
+            experience.turn_rewards = trajectories.turn_rewards * weight
+            scored.metrics.update(episode_metrics(episodes))
         if scored.step_rewards is not None:
             rewards, ends = place_step_rewards(scored.step_rewards, step_ends, batch.response_mask.shape)
             experience.step_rewards, experience.step_mask = rewards.to(self.device), ends.to(self.device)
@@ -303,119 +325,62 @@ class Collector:
 
     # --- partial rollouts ---------------------------------------------------------------------
     def continue_partial(self, examples, generator) -> tuple[Experience | None, dict]:
-        """One generate call of `partial_budget` tokens over every unfinished response and G
+        """One generate call of `partial_budget` tokens over every trajectory under way and G
         new ones per example; returns the groups that ended in it, scored (None if none)."""
-        for example in examples:
-            prompt = torch.tensor(prompt_token_ids(example, self.tokenizer), dtype=torch.long)
-            empty = torch.zeros(0, dtype=torch.long)
-            for _ in range(self.group_size):
-                self.pending.append(PartialResponse(
-                    example=example, group=self.next_group, prompt=prompt, tokens=empty,
-                    logprobs=torch.zeros(0), versions=empty,
-                    support_size=torch.zeros(0, dtype=torch.int32) if self.sampling.return_support else None,
-                    support_logprobs=torch.zeros(0) if self.sampling.return_support else None))
-            self.next_group += 1
+        self.pending += self.start_trajectories(examples, self.next_group, self.group_size)
+        self.next_group += len(examples)
         self._sampled[0] += len(examples) * self.group_size
-        active = [r for r in self.pending if not r.ended]
+        active = [t for t in self.pending if not t.ended]
         if active:
-            ids, mask = left_padded([torch.cat([r.prompt, r.tokens]).tolist() for r in active],
-                                    self.tokenizer.pad_token_id)
-            params = replace(self.sampling, max_new_tokens=self.partial_budget)
-            batch = self.timed_generate(ids.to(self.device), mask.to(self.device), params, generator)
-            for i, response in enumerate(active):
-                self.extend(response, batch, i)
-            self.stop_repeats_across_segments([r for r in active if r.segments > 1 and not r.repeated])
-        unfinished = {r.group for r in self.pending if not r.ended}
-        done = [r for r in self.pending if r.group not in unfinished]
+            self.advance(active, self.partial_budget, generator)
+        unfinished = {t.group for t in self.pending if not t.ended}
+        done = [t for t in self.pending if t.group not in unfinished]
         if not done:
             return None, {}
-        self.pending = [r for r in self.pending if r.group in unfinished]
-        return self.score_partial(done)
+        self.pending = [t for t in self.pending if t.group in unfinished]
+        return self.score_trajectories(done)
 
-    def extend(self, response: PartialResponse, batch: RolloutBatch, row: int) -> None:
-        """Append row `row` of a generate call's batch to `response`, cut at the budget of
-        `max_new_tokens` tokens in all, and mark how it ended."""
-        length = int(batch.response_mask[row].sum())
-        room = self.sampling.max_new_tokens - len(response.tokens)
-        take = min(length, room)
-        response.tokens = torch.cat([response.tokens, batch.response_ids[row, :take].cpu()])
-        response.logprobs = torch.cat([response.logprobs, batch.logprobs[row, :take].float().cpu()])
-        response.versions = torch.cat([response.versions, torch.full((take,), self.version, dtype=torch.long)])
-        if response.support_size is not None:
-            response.support_size = torch.cat([response.support_size, batch.support_size[row, :take].cpu()])
-            response.support_logprobs = torch.cat([response.support_logprobs,
-                                                   batch.support_logprobs[row, :take].float().cpu()])
-        response.segments += 1
-        whole = take == length  # nothing cut at the overall budget
-        if whole and bool(batch.repeated[row]):
-            response.ended, response.repeated = True, True
-        elif whole and not bool(batch.truncated[row]):
-            response.ended = True  # an EOS
-        elif len(response.tokens) >= self.sampling.max_new_tokens:
-            response.ended, response.truncated = True, True
-
-    def stop_repeats_across_segments(self, responses: list[PartialResponse]) -> None:
+    def stop_repeats_across_segments(self, trajectories: list[Trajectory]) -> None:
         """The repetition stop over each continued response as a whole (its segments joined):
         the sampler sees one segment at a time, so a loop spanning segments is found here, at
         the token where sampling in one call would have found it."""
         rule = self.sampling.repetition
-        responses = [r for r in responses if rule is not None and len(r.tokens) >= rule.window]
-        if not responses:
+        trajectories = [t for t in trajectories if rule is not None and len(t.tokens) >= rule.window]
+        if not trajectories:
             return
-        width = max(len(r.tokens) for r in responses)
-        tokens = torch.full((len(responses), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        for i, r in enumerate(responses):
-            tokens[i, :len(r.tokens)] = r.tokens
+        width = max(len(t.tokens) for t in trajectories)
+        tokens = torch.full((len(trajectories), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        for i, t in enumerate(trajectories):
+            tokens[i, :len(t.tokens)] = t.tokens
         found = first_repetition(tokens, self.eos_ids, rule).tolist()
-        for response, at in zip(responses, found):
-            if 0 <= at < len(response.tokens):  # a detection in the padding is not one
-                keep = at + 1
-                for name in ("tokens", "logprobs", "versions", "support_size", "support_logprobs"):
-                    if getattr(response, name) is not None:
-                        setattr(response, name, getattr(response, name)[:keep])
-                response.ended, response.repeated, response.truncated = True, True, False
+        for trajectory, at in zip(trajectories, found):
+            if 0 <= at < len(trajectory.tokens):  # a detection in the padding is not one
+                self.episodes.cut_at(trajectory, at + 1)
+                trajectory.ended, trajectory.repeated, trajectory.truncated = True, True, False
 
-    def score_partial(self, responses: list[PartialResponse]) -> tuple[Experience, dict]:
-        """Ended responses, whole groups in order, as one scored Experience."""
-        width = self.sampling.max_new_tokens
-        n = len(responses)
-        prompt_ids, prompt_mask = left_padded([r.prompt.tolist() for r in responses], self.tokenizer.pad_token_id)
-        response_ids = torch.full((n, width), self.tokenizer.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros((n, width), dtype=torch.long)
-        logprobs, versions = torch.zeros((n, width)), torch.zeros((n, width), dtype=torch.long)
-        support = self.sampling.return_support
-        support_size = torch.zeros((n, width), dtype=torch.int32) if support else None
-        support_logprobs = torch.zeros((n, width)) if support else None
-        for i, r in enumerate(responses):
-            k = len(r.tokens)
-            response_ids[i, :k], response_mask[i, :k] = r.tokens, 1
-            logprobs[i, :k], versions[i, :k] = r.logprobs, r.versions
-            if support:
-                support_size[i, :k], support_logprobs[i, :k] = r.support_size, r.support_logprobs
-        device = self.device
-        batch = RolloutBatch(
-            prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device), response_ids=response_ids.to(device),
-            response_mask=response_mask.to(device), logprobs=logprobs.to(device),
-            truncated=torch.tensor([r.truncated for r in responses], device=device),
-            support_size=support_size.to(device) if support else None,
-            support_logprobs=support_logprobs.to(device) if support else None,
-            repeated=torch.tensor([r.repeated for r in responses], device=device))
-        return self.score(batch, [r.example for r in responses], [r.group for r in responses], versions=versions,
-                          segments=torch.tensor([r.segments for r in responses]))
+    def score_trajectories(self, trajectories: list[Trajectory]) -> tuple[Experience, dict]:
+        """Ended trajectories, whole groups in order, as one scored Experience."""
+        batch = as_batch(trajectories, self.sampling.max_new_tokens, self.tokenizer.pad_token_id, self.device)
+        return self.score(batch.rollout, [t.example for t in trajectories], [t.group for t in trajectories],
+                          versions=batch.versions, segments=batch.segments, trajectories=batch, episodes=trajectories)
+
 
     # --- state (checkpoints, a producer's hand-over) ------------------------------------------
     def state_dict(self) -> dict:
         """The curriculum's state, and the partial rollouts under way: what a resume (or a new
         producer) needs to go on where this batch left off."""
         return {"curriculum": self.curriculum.state_dict(),
-                "pending": [response.to_state() for response in self.pending],
+                "pending": [trajectory.to_state() for trajectory in self.pending],
                 "ready": [({f.name: getattr(exp, f.name) for f in fields(exp)}, dict(metrics))
                           for exp, metrics in self.ready],
                 "next_group": self.next_group}
 
     def load_partial_state(self, state: dict) -> None:
         """The partial rollouts of `state_dict` (the curriculum is restored by its owner)."""
-        self.pending = [PartialResponse.from_state(response) for response in state.get("pending", [])]
+        self.pending = [Trajectory.from_state(trajectory) for trajectory in state.get("pending", [])]
+        for trajectory in self.pending:  # an environment's episodes under way, replayed to where they were
+            if not trajectory.ended:
+                self.episodes.rebuild_episode(trajectory)
         self.ready = [(Experience(**exp), dict(metrics)) for exp, metrics in state.get("ready", [])]
         self.next_group = state.get("next_group", 0)
 
@@ -428,3 +393,19 @@ def place_step_rewards(step_rewards: list[list[float]], step_ends: list[list[int
         rewards[i, row_ends] = torch.tensor(row_rewards, dtype=torch.float32)
         ends[i, row_ends] = True
     return rewards, ends
+
+
+def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Per-episode means over a scored batch's trajectories: `episode/turns`, `episode/return`
+    (the environment's rewards summed), `episode/reward_turn<k>` (the mean reward of turn k
+    over the episodes that reached it) and each count the replies gave (`episode/tool_calls`,
+    `episode/tool_errors`, `episode/sandbox_timeouts`, ...)."""
+    n = len(trajectories)
+    metrics = {"episode/turns": sum(t.turns for t in trajectories) / n,
+               "episode/return": sum(sum(t.turn_rewards) for t in trajectories) / n}
+    for name in sorted({name for t in trajectories for name in t.metrics}):
+        metrics[f"episode/{name}"] = sum(t.metrics.get(name, 0.0) for t in trajectories) / n
+    for turn in range(max(t.turns for t in trajectories)):
+        rewards = [t.turn_rewards[turn] for t in trajectories if t.turns > turn]
+        metrics[f"episode/reward_turn{turn}"] = sum(rewards) / len(rewards)
+    return metrics

@@ -66,8 +66,8 @@ class Scoring:
     def logprobs(self, model, exp: Experience) -> torch.Tensor:
         """log-probs of the response tokens under `model` (a scorer's forward), from its hidden
         states chunk by chunk (no [b, T, V] logits)."""
-        return sequence_logprobs(model, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask,
-                                 with_entropy=False, **self.options(exp))[0]
+        return exp.policy_tokens_only(sequence_logprobs(model, *exp.model_inputs(), with_entropy=False,
+                                                        **self.options(exp))[0])
 
     def logprobs_from(self, logits, exp: Experience, with_entropy: bool, entropy_grad: bool = True):
         """Per-token log-probs (and entropy) of full logits [b, T, V], in fp32 chunk by chunk."""
@@ -114,7 +114,7 @@ class Learner:
         by chunk (models.forward.sequence_logprobs): no [b, T, V] logits exist unless a part
         reads them (distill.mode=full)."""
         options = dict(with_entropy=True, entropy_grad=bool(self.entropy_coef), **self.scoring.options(exp))
-        batch = (exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
+        batch = exp.model_inputs()  # the environment's tokens are read, and scored by none
         logits = None
         if with_values and self.critic.shared_backbone:
             hidden = sequence_hidden_states(self.policy, *batch)
@@ -126,14 +126,14 @@ class Learner:
             else:
                 logp, entropy = logprobs_from_hidden(hidden, weight, bias, exp.response_ids, exp.response_mask,
                                                      **options)
-            return logp, entropy, values, logits
+            return exp.policy_tokens_only(logp), exp.policy_tokens_only(entropy), values, logits
         if self.full_logits:
             logits = sequence_logits(self.policy, *batch)
             logp, entropy = self.scoring.logprobs_from(logits, exp, True, options["entropy_grad"])
         else:
             logp, entropy = sequence_logprobs(self.policy, *batch, **options)
         values = self.critic.value_model(*batch) if with_values else None
-        return logp, entropy, values, logits
+        return exp.policy_tokens_only(logp), exp.policy_tokens_only(entropy), values, logits
 
     # --- the update ----------------------------------------------------------------------------
     def loss_mask(self, exp: Experience) -> torch.Tensor:

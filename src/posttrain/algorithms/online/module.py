@@ -40,7 +40,7 @@ import torch
 from posttrain import core
 from posttrain.algorithms import rules
 from posttrain.algorithms.base import PosttrainModule
-from posttrain.algorithms.experience import Experience
+from posttrain.algorithms.experience import Experience, last_token_index
 from posttrain.algorithms.formulas import check_formulas, resolve_formulas
 from posttrain.algorithms.online.collect import CollectSettings
 from posttrain.algorithms.online.learner import LEARNER_OPTIONS, Learner, Scoring, Steppers
@@ -55,6 +55,7 @@ from posttrain.data.curriculum import build_curriculum
 from posttrain.data.datamodule import ExampleCursor
 from posttrain.distributed.collectives import all_reduce_sum, is_dtensor, rank_and_world, this_ranks, with_every_rank
 from posttrain.distributed.sharding import full_weights
+from posttrain.envs.build import build_env, turn_tokens
 from posttrain.errors import ConfigError
 from posttrain.models.loading import stop_token_ids
 from posttrain.rewards import build_reward
@@ -72,7 +73,7 @@ class OnlineRLModule(PosttrainModule):
     train_collate = None  # the module draws its own prompts through the curriculum
 
     def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, *, kl_estimator, advantage,
-                 reward, data_curriculum, roles, cache_dir=None, seed: int = 0, **algorithm):
+                 reward, data_curriculum, roles, cache_dir=None, seed: int = 0, env=None, **algorithm):
         refuse_unknown_keys(algorithm)
         declared = LEARNER_OPTIONS + ptx_part.OPTIONS
         own = {k: v for k, v in algorithm.items() if k in {o.name for o in declared}}
@@ -87,6 +88,7 @@ class OnlineRLModule(PosttrainModule):
         self.batch_size = self.prompts_per_step = settings["prompts_per_step"]
         self.group_size = settings["group_size"]
         self.reward_cfg = reward
+        self.env, self.turn_tokens = build_env(env), turn_tokens(env)  # None: one response per prompt (envs/)
 
         # the policy loss, the advantage and KL estimators (formulas.py), checked on a dummy batch
         self.formulas = resolve_formulas(algorithm, advantage, kl_estimator, rollout.max_new_tokens)
@@ -149,7 +151,8 @@ class OnlineRLModule(PosttrainModule):
         for part in self.parts:
             collect_options.update(part.collect_options())
         settings = CollectSettings(self.sampling, self.group_size, self.prompts_per_step, self.seed,
-                                   self.sampler.eos_ids, partial_budget=self.rollouts.partial_budget, **collect_options)
+                                   self.sampler.eos_ids, partial_budget=self.rollouts.partial_budget, env=self.env,
+                                   turn_tokens=self.turn_tokens, **collect_options)
         self.rollouts.build(self.sampler, self.tokenizer, self.source, self.curriculum, self.reward_fn, settings,
                             self.device)
 
@@ -296,9 +299,12 @@ class OnlineRLModule(PosttrainModule):
     @torch.no_grad()
     def compute_advantages(self, exp: Experience) -> tuple[Experience, dict]:
         mask = exp.response_mask
-        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
         token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(len(last)), last] = exp.scores.float()
+        residual = exp.scores.float()
+        if exp.turn_rewards is not None:  # an environment's rewards where each turn earned them; the rest at the end
+            token_rewards += exp.turn_rewards
+            residual = residual - exp.turn_rewards.sum(dim=1)
+        token_rewards[torch.arange(len(mask)), last_token_index(mask)] += residual
         metrics, options = {}, {}
         for part in self.parts:  # step rewards at step ends, the KL in the reward
             token_rewards, part_metrics = part.shape_rewards(exp, token_rewards, options)

@@ -51,8 +51,7 @@ class Critic(Part):
         return {"critic": self.value_model}
 
     def scorers(self):
-        return [("values", lambda exp: self.value_model(exp.prompt_ids, exp.prompt_mask, exp.response_ids,
-                                                        exp.response_mask))]
+        return [("values", lambda exp: self.value_model(*exp.model_inputs()))]
 
     def after_advantages(self, exp):
         mask = exp.response_mask

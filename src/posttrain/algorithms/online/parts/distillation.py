@@ -155,6 +155,6 @@ class Distillation(Part):
         """distill.mode=full: the teacher's logits [b, T, V] on this micro-batch, and its log-probs."""
         if self.mode != "full" or not train_policy:
             return {}
-        logits = sequence_logits(self.teacher, exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask)
+        logits = sequence_logits(self.teacher, *exp.model_inputs())
         exp.teacher_logp = self.scoring.logprobs_from(logits, exp, with_entropy=False)[0]
         return {"teacher_logits": logits}

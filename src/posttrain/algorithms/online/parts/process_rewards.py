@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.algorithms import rules
+from posttrain.algorithms.experience import last_token_index
 from posttrain.algorithms.online.part import Part
 from posttrain.data.steps import source_step_rule
 from posttrain.errors import ConfigError
@@ -49,7 +50,7 @@ class ProcessRewards(Part):
             return token_rewards, {}
         # each step's process reward at its last token; the other components' part of the
         # score (an outcome reward mixed in) joins it at the last token, which ends the last step
-        last = (exp.response_mask.sum(dim=1).long() - 1).clamp(min=0)
+        last = last_token_index(exp.response_mask)
         token_rewards = exp.step_rewards.clone()
         token_rewards[torch.arange(len(last)), last] += exp.scores.float() - exp.step_rewards.sum(dim=1)
         options["step_mask"] = exp.step_mask
