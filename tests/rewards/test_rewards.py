@@ -318,7 +318,7 @@ def test_unknown_target_option_is_a_config_error(user_module):
 
 
 @pytest.mark.parametrize("components,match", [
-    ({"acuracy": {"weight": 1.0}}, r"reward\.components\.acuracy: unknown reward component.*accuracy, format, "
+    ({"acuracy": {"weight": 1.0}}, r"reward\.components\.acuracy: unknown reward component.*accuracy, environment, format, "
                                    r"length_linear, length_penalty, overlong"),
     ({"overlong": {"cache_len": 2, "cache": 3}}, r"unknown option\(s\) reward\.components\.overlong\.cache: "
                                                  r".*cache_len, max_len"),
@@ -352,6 +352,7 @@ EXPECTED_COMPONENTS = {
     "length_linear": ["accuracy", "length_linear"],
     "length_constraint": ["accuracy", "response_length"],
     "composite": ["accuracy", "format", "overlong"],
+    "environment": ["environment"],
 }
 
 
@@ -366,6 +367,9 @@ def test_every_reward_config_builds_and_scores(path):
     reward = build_reward(cfg, SOURCE, max_new_tokens=8)
     assert [fn.name for fn, _ in reward.components] == EXPECTED_COMPONENTS[path.stem]
     batch = [sample("42", length=3, group=0), sample("43", length=8, truncated=True, group=0)]
+    if path.stem == "environment":  # episodes: the environment's rewards and verdicts
+        for one, (ret, right) in zip(batch, ((1.0, True), (0.0, False))):
+            one.env_return, one.env_correct = ret, right
     out = reward(batch, SOURCE)
     assert out.correct.tolist() == [True, False]
     assert torch.isfinite(out.total).all()
@@ -379,3 +383,20 @@ def test_reward_group_builds_from_the_composed_config():
     reward = build_reward(cfg.reward, SOURCE, max_new_tokens=cfg.rollout.max_new_tokens)
     overlong = dict((fn.name, fn) for fn, _ in reward.components)["overlong"]
     assert overlong.max_len == cfg.rollout.max_new_tokens
+
+
+def test_the_environment_component_sums_an_episode_and_its_verdict_is_the_accuracy():
+    reward = build_reward({"components": {"environment": {"weight": 0.5}}}, SOURCE, max_new_tokens=8)
+    episodes = [sample("anything", group=0), sample("42", group=0), sample("1", group=1)]
+    for one, (ret, right) in zip(episodes, ((1.5, True), (-0.25, False), (0.0, None))):
+        one.env_return, one.env_correct = ret, right
+    out = reward(episodes, SOURCE)
+    assert scores(out.total) == [0.75, -0.125, 0.0] and scores(out.components["environment"]) == [1.5, -0.25, 0.0]
+    assert out.correct is None  # one episode gave no verdict: no accuracy without a verifier
+    episodes[2].env_correct = True
+    assert reward(episodes, SOURCE).correct.tolist() == [True, False, True]
+    # with a verifier too, an episode's verdict comes first: "42" is right for the task, not for its episode
+    both = build_reward({"components": {"accuracy": {"weight": 1.0}, "environment": {"weight": 1.0}}}, SOURCE, 8)
+    assert both(episodes, SOURCE).correct.tolist() == [True, False, True]
+    with pytest.raises(RewardError, match="ran none"):
+        reward([sample("42")], SOURCE)
