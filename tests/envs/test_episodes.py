@@ -4,6 +4,8 @@ of every loss, each turn's reward lands at the turn's last token, partial rollou
 resume an episode (through a checkpoint too), and held-out evaluation plays episodes."""
 
 import io
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -237,3 +239,24 @@ def test_held_out_evaluation_plays_episodes(make_config):
     assert all("transcript" in row for row in rows)
     for row, parts in zip(rows, scored.transcripts):
         assert row["response"].count("[env:") == sum(p["role"] == "env" for p in parts)  # its turns marked
+
+
+def test_a_multi_turn_run_writes_whole_episodes_and_their_metrics(make_config, tmp_path):
+    from posttrain.train import run
+
+    cfg = make_config(*FAST_RUN, "experiment=guess_number", "algorithm.warm_start.steps=0", "logger=csv",
+                      "algorithm.prompts_per_step=2", "algorithm.group_size=4", "trainer.max_steps=2",
+                      "trainer.val_check_interval=2", "eval.num_prompts=8", "eval.batch_size=8", "eval.panel.size=4")
+    summary = run(cfg, announce=False)
+    assert summary["global_step"] == 2
+    for name in ("eval/episode/turns", "eval/episode/invalid_guesses", "eval/episode/budget_ended"):
+        assert name in summary
+    assert 1.0 <= summary["eval/episode/turns"] <= 3.0
+    out = Path(cfg.paths.output_dir)
+    rows = [json.loads(line) for line in sorted((out / "samples").glob("*.jsonl"))[-1].read_text().splitlines()]
+    panel = [json.loads(line) for line in sorted((out / "panel").glob("*.jsonl"))[-1].read_text().splitlines()]
+    for row in rows + panel:
+        roles = [part["role"] for part in row["transcript"]]
+        assert roles[0] == "policy" and roles.count("env") == row["response"].count("[env:")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("episode/turns" in m and "episode/return" in m for m in metrics)

@@ -53,13 +53,15 @@ class Scored:
     env_returns: list[float] = field(default_factory=list)
     env_correct: list = field(default_factory=list)
     transcripts: list[list[dict]] = field(default_factory=list)
+    episode_metrics: list[dict] = field(default_factory=list)  # each episode's turns and the replies' counts
 
     def rows(self, keep: list[int]) -> "Scored":
         """The responses of rows `keep` only."""
         return Scored(*([values[i] for i in keep] for values in (self.texts, self.correct, self.lengths,
                                                                  self.truncated)),
                       **{name: [getattr(self, name)[i] for i in keep] if getattr(self, name) else []
-                         for name in ("confidence", "finals", "env_returns", "env_correct", "transcripts")})
+                         for name in ("confidence", "finals", "env_returns", "env_correct", "transcripts",
+                                      "episode_metrics")})
 
     def as_samples(self, examples) -> list:
         """The first len(examples) responses as reward samples (an episode's: its last turn, with
@@ -120,7 +122,8 @@ def play_and_score(module: "PosttrainModule", batch: dict, params: SamplingParam
                   [float(t.policy_mask().sum()) for t in trajectories], [t.truncated for t in trajectories],
                   confidence=[math.exp(min(0.0, float(t.logprobs.double().sum()))) for t in trajectories],
                   finals=finals, env_returns=[sum(t.turn_rewards) for t in trajectories],
-                  env_correct=[t.correct for t in trajectories], transcripts=transcripts)
+                  env_correct=[t.correct for t in trajectories], transcripts=transcripts,
+                  episode_metrics=[{"turns": float(t.turns), **t.metrics} for t in trajectories])
 
 
 def count_correct_samples(module: "PosttrainModule", batch: dict, params: SamplingParams, num_samples: int,
@@ -308,6 +311,7 @@ class PosttrainModule(L.LightningModule):
         self._eval_proxy: list[float] = []  # learned reward of each greedy response (eval/proxy_reward)
         self._eval_counts: list[torch.Tensor] = []  # per prompt: correct responses of eval_num_samples
         self._eval_correct, self._eval_lengths, self._eval_confidence = [], [], []
+        self._eval_episodes: list[dict] = []  # with an environment: each held-out episode's counts
         if self.eval_pass_k:
             # the same draws at every eval (each rank its own), and training's random state untouched
             rank, world = rank_and_world()
@@ -328,6 +332,7 @@ class PosttrainModule(L.LightningModule):
         examples, scored = [batch["examples"][i] for i in keep], scored.rows(keep)
         self._eval_correct += scored.correct
         self._eval_lengths += scored.lengths
+        self._eval_episodes += scored.episode_metrics
         self._eval_confidence += scored.confidence
         self._eval_proxy += self.proxy_rewards(examples, scored)
         wanted = self.eval_log_samples - len(self._eval_samples)
@@ -402,6 +407,8 @@ class PosttrainModule(L.LightningModule):
             self.log_dict({f"eval/pass@{k}": float(totals[3 + i] / totals[2]) for i, k in enumerate(self.eval_pass_k)})
         if bins[0].sum() > 0:
             self.log_calibration(bins)
+        if self.env is not None:
+            self.log_episode_metrics(float(totals[2]))
         if self._eval_samples:
             self.log_samples(self._eval_samples)
         self.evaluated_at_step = self.trainer.global_step
@@ -442,6 +449,17 @@ class PosttrainModule(L.LightningModule):
             if scored.transcripts:  # an episode: its turns, the environment's marked
                 rows[-1]["transcript"] = scored.transcripts[i]
         return rows
+
+    def log_episode_metrics(self, episodes: float) -> None:
+        """`eval/episode/<name>`: the mean per held-out episode of its turns and of each count its
+        environment reported (tool calls, tool errors, sandbox timeouts...), over every rank's
+        episodes. Every rank reduces the same names in the same order: those the environment
+        declares (`Environment.metric_names`), whatever its own episodes reported."""
+        names = sorted({"turns", "budget_ended", *self.env.metric_names})
+        sums = torch.tensor([sum(m.get(name, 0.0) for m in self._eval_episodes) for name in names],
+                            dtype=torch.float64, device=self.device)
+        sums = all_reduce_sum(sums)
+        self.log_dict({f"eval/episode/{name}": float(value / episodes) for name, value in zip(names, sums)})
 
     def log_calibration(self, bins: torch.Tensor) -> None:
         """`eval/ece`: the expected calibration error of the greedy responses (confidence: the

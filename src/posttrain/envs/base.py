@@ -66,6 +66,8 @@ class Environment:
     environment needs, like the sandbox's isolation)."""
 
     name = "environment"
+    # the counts its replies report (Reply.metrics): held-out evaluation reduces these over the ranks
+    metric_names: tuple[str, ...] = ()
 
     def __init__(self, max_turns: int = 1):
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:

@@ -361,6 +361,7 @@ class CodeEnvironment(Environment):
     ``tests_total``."""
 
     name = "code"
+    metric_names = ("no_code", "sandbox_timeouts", "sandbox_errors", "tests_passed", "tests_total")
 
     def __init__(self, max_turns: int = 1, sandbox: Mapping | None = None, feedback: bool = True):
         super().__init__(max_turns)

@@ -27,6 +27,7 @@ class GuessNumber(Environment):
     that misses); the episode ends there or after `max_turns`."""
 
     name = "guess_number"
+    metric_names = ("invalid_guesses",)
 
     def __init__(self, max_turns: int = 3, turn_penalty: float = 0.0):
         super().__init__(max_turns)

@@ -406,6 +406,7 @@ class ToolEnvironment(Environment):
     sandbox_timeouts."""
 
     name = "tools"  # replies are chat messages: for a real tokenizer with a chat template
+    metric_names = ("tool_calls", "tool_errors", "sandbox_timeouts")
 
     def __init__(self, tools: Sequence[str] = ("calculator",), max_turns: int = 4, call_reward: float = 0.0,
                  sandbox: Mapping | None = None):
