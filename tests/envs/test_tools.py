@@ -351,3 +351,17 @@ def test_python_tool_check_is_the_sandboxs_isolation_check(monkeypatch):
     env = ToolEnvironment(["calculator", "python"], sandbox={"wall_s": 3.0})
     env.check()
     assert seen == [SandboxLimits(wall_s=3.0)]
+
+
+def test_a_demonstration_comes_after_the_system_message_once_and_is_checked():
+    from posttrain.envs.tools import ToolEnvironment
+
+    demo = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+            {"role": "tool", "content": "4"}, {"role": "assistant", "content": "#### 4"}]
+    env = ToolEnvironment(demonstration=demo)
+    example = Example("What is 3+4?", "7", "7")
+    messages = env.prepare(env.prepare(example)).messages
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert messages[1:5] == demo and messages[-1]["content"] == "What is 3+4?"
+    with pytest.raises(ConfigError, match="env.demonstration: message 0 has role 'robot'"):
+        ToolEnvironment(demonstration=[{"role": "robot", "content": "hi"}])

@@ -37,9 +37,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from posttrain.data.examples import Example
+from posttrain.data.templates import check_messages
 from posttrain.envs.base import Environment, Reply, Turn
 from posttrain.envs.sandbox import SandboxLimits, SandboxResult, check_isolation, run_python
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -409,7 +410,7 @@ class ToolEnvironment(Environment):
     metric_names = ("tool_calls", "tool_errors", "sandbox_timeouts")
 
     def __init__(self, tools: Sequence[str] = ("calculator",), max_turns: int = 4, call_reward: float = 0.0,
-                 sandbox: Mapping | None = None):
+                 sandbox: Mapping | None = None, demonstration: Sequence[Mapping] | None = None):
         super().__init__(max_turns)
         names = [tools] if isinstance(tools, str) else list(tools)
         if not names:
@@ -427,6 +428,12 @@ class ToolEnvironment(Environment):
         self.tools: dict[str, Tool] = {name: PythonTool(self.limits) if TOOLS[name] is PythonTool else TOOLS[name]()
                                        for name in names}
         self.system_prompt = tools_system_prompt(list(self.tools.values()))
+        # a worked exchange shown before the example's own turns (a model that has never seen the
+        # call format may otherwise never write one, and GRPO reinforces only what it samples)
+        try:
+            self.demonstration = check_messages(list(demonstration or []), "env.demonstration") if demonstration else []
+        except DataError as err:
+            raise ConfigError(str(err)) from None
 
     def prepare(self, example: Example) -> Example:
         """The example as a chat whose system message describes the tools: the example's own
@@ -441,6 +448,8 @@ class ToolEnvironment(Environment):
                 messages[0]["content"] = f"{own}\n\n{self.system_prompt}" if own else self.system_prompt
         else:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if self.demonstration and messages[1:1 + len(self.demonstration)] != self.demonstration:
+            messages[1:1] = [dict(m) for m in self.demonstration]
         return dataclasses.replace(example, messages=messages, prompt_ids=None)
 
     def start(self, example: Example) -> ToolEpisode:
