@@ -260,3 +260,29 @@ def test_a_multi_turn_run_writes_whole_episodes_and_their_metrics(make_config, t
         assert roles[0] == "policy" and roles.count("env") == row["response"].count("[env:")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("episode/turns" in m and "episode/return" in m for m in metrics)
+
+
+def test_posttrain_eval_plays_the_runs_episodes_and_reproduces_its_final_eval(tmp_path):
+    """posttrain-eval of a guess_number run: the run's environment, and its exported tokenizer
+    spelling the replies' spaces and newlines as training did (it reloads the tokenizer.json as it
+    is, not as the model type's tokenizer class would)."""
+    import sys
+
+    from forked_cli import run_command
+
+    log_dir = tmp_path / "logs"
+    train = [sys.executable, "-m", "posttrain.train", "experiment=guess_number", "algorithm.warm_start.steps=30",
+             "algorithm.prompts_per_step=2", "algorithm.group_size=4", "trainer.max_steps=2",
+             "trainer.val_check_interval=2", "eval.at_start=false", "eval.num_prompts=16", "eval.batch_size=16",
+             "logger=none", "callbacks.progress_bar=none", "num_threads=1", f"paths.log_dir={log_dir}"]
+    result = run_command(train, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = log_dir.glob("guess_number/runs/*")
+    evaluate = [sys.executable, "-m", "posttrain.eval.evaluate", f"checkpoint={run_dir}", "pass_k=[]",
+                "num_threads=1", f"paths.log_dir={tmp_path / 'eval'}"]
+    result = run_command(evaluate, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = (tmp_path / "eval").glob("eval/runs/*/eval.json")
+    scored, summary = json.loads(path.read_text()), json.loads((run_dir / "summary.json").read_text())
+    assert scored["eval/accuracy"] == summary["eval/accuracy"]
+    assert scored["eval/response_len"] == summary["eval/response_len"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
 
 from posttrain.core.cost import DecoderShape
 from posttrain.errors import ConfigError
@@ -19,6 +18,7 @@ from posttrain.estimate.memory import (
     model_directory,
     role_estimates,
 )
+from posttrain.models.loading import load_tokenizer
 from posttrain.models.tiny import build_char_tokenizer, build_tiny_model
 from posttrain.prepare.teachers import RECIPES
 
@@ -76,7 +76,7 @@ def policy_architecture(cfg, alphabet) -> tuple[DecoderShape, int, object]:
         model = tiny_model(cfg.model, len(tokenizer))
         return shape_of(model.config), sum(p.numel() for p in model.parameters()), tokenizer
     config, parameters, directory = pretrained_architecture(name, "model.name_or_path")
-    return shape_of(config), parameters, AutoTokenizer.from_pretrained(directory)
+    return shape_of(config), parameters, load_tokenizer(directory)
 
 
 def teacher_role(cfg, alphabet_vocab: int) -> tuple[str, int, DecoderShape] | None:

@@ -27,7 +27,7 @@ from posttrain.run.boundary import hydra_command, log, silence_expected_warnings
 from posttrain.run.run_dir import find_weights, is_adapter_dir, load_from_adapter
 
 # What a run's config.yaml decides, so that the tokenizer, task, prompts and numerics are training's.
-RUN_SETTINGS = ("model", "data", "eval", "rollout", "trainer.accelerator", "trainer.precision")
+RUN_SETTINGS = ("model", "data", "eval", "rollout", "env", "trainer.accelerator", "trainer.precision")
 
 
 def command_line_keys() -> list[str]:
@@ -130,6 +130,7 @@ def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
     import torch
 
     from posttrain.algorithms.base import PosttrainModule, count_correct_samples
+    from posttrain.envs.build import build_env, turn_tokens
     from posttrain.eval.best_of_n import sample_and_judge
     from posttrain.rollout import SamplingParams
 
@@ -138,6 +139,8 @@ def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
             super().__init__(policy, tokenizer, source, optim=None, rollout=cfg.rollout,
                              eval_max_new_tokens=cfg.eval.max_new_tokens)
             self.sampling, self.num_samples, self.seed = sampling, num_samples, seed
+            # the run's environment: each prompt is then an episode, greedy and sampled alike
+            self.env, self.turn_tokens = build_env(cfg.get("env")), turn_tokens(cfg.get("env"))
             self.judges = None  # best_of_n.Judges: predict judges the samples instead of counting correct ones
             # (budget, end-of-thinking token ids): predict scores greedy responses under a thinking budget
             self.thinking = None

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from posttrain.distributed.sharding import (
     enable_activation_checkpointing,
@@ -150,12 +150,28 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+# the tokenizer classes that mean "the tokenizer.json as it is" (an exported embedded tokenizer)
+AS_SAVED_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(source: str):
+    """The tokenizer of a model directory or hub name. A directory whose tokenizer_config.json
+    names no tokenizer of its own (the embedded character tokenizer's export) loads its
+    tokenizer.json as it is: AutoTokenizer would pick the model type's class (Qwen2's) and its
+    pre-tokenizer, which drops the spaces and newlines a character vocabulary spells."""
+    config = Path(source) / "tokenizer_config.json"
+    if config.is_file() and (Path(source) / "tokenizer.json").is_file():
+        if json.loads(config.read_text()).get("tokenizer_class") in AS_SAVED_TOKENIZERS:
+            return PreTrainedTokenizerFast.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source)
+
+
 def load_pretrained(name: str, key: str, dtype=torch.float32):
     source = _resolve_pretrained(name, key)
     if Path(source).is_dir():
         check_tokenizer_files(source, key, name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = load_tokenizer(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError) as err:
         first_line = first_line_of(err)

@@ -21,13 +21,13 @@ import hashlib
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
-from transformers import AutoTokenizer
 
 from posttrain.conf import CONFIG_DIR
 from posttrain.data.arithmetic import Problem
 from posttrain.data.sources import build_source
 from posttrain.errors import CheckpointError, ConfigError
-from posttrain.models.loading import _looks_like_path, check_tokenizer_files, first_line_of, load_tokenizer_and_model
+from posttrain.models.loading import (_looks_like_path, check_tokenizer_files, first_line_of, load_tokenizer,
+                                      load_tokenizer_and_model)
 from posttrain.models.lora import export_model
 from posttrain.prepare.cache import built_once, code_version
 from posttrain.prepare.warm_start import Train, cached_sft_model, sft_plan
@@ -155,7 +155,7 @@ def load_teacher_tokenizer(directory: str, teacher: str):
     if local:
         check_tokenizer_files(directory, "teacher", teacher)
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        return load_tokenizer(directory)
     except (OSError, ValueError) as err:
         what = directory if local else (f"{directory} (no local path nor one of {', '.join(RECIPES)}: a hub id, and "
                                         f"the hub is unreachable or has no such model)")

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoModelForTokenClassification
 
 from posttrain import core
 from posttrain.data.datamodule import right_padded
 from posttrain.data.process import prm_row
 from posttrain.data.steps import source_step_rule, split_text
 from posttrain.errors import ConfigError
-from posttrain.models.loading import first_line_of
+from posttrain.models.loading import first_line_of, load_tokenizer
 from posttrain.rewards.base import ScoredSample
 from posttrain.rewards.reward_model import one_label_model_config
 
@@ -169,7 +169,7 @@ def load_prm(directory: str, key: str):
     path = str(Path(directory).expanduser())
     try:
         model = AutoModelForTokenClassification.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"{key}={directory!r} could not be loaded as a PRM: {first_line_of(err)}") from None
     return model.requires_grad_(False).eval(), tokenizer

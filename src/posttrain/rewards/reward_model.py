@@ -38,12 +38,13 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 from posttrain.core import ensemble_lower_bound, weighted_head_sum
 from posttrain.data.datamodule import prompt_text, prompt_token_ids, right_padded
 from posttrain.data.preference import DEFAULT_HEADS
 from posttrain.errors import ConfigError
+from posttrain.models import loading
 from posttrain.models.loading import TOKENIZER_FILES, check_vocabulary_fits, declared_context, first_line_of
 from posttrain.rewards.base import ScoredSample
 
@@ -265,7 +266,7 @@ def load_tokenizer(directory: str, key: str):
     if not has_tokenizer(directory):
         raise ConfigError(f"{key}={directory!r} holds no tokenizer (looked for {', '.join(TOKENIZER_FILES)}); save "
                           f"it there, or set {KEY}.share_tokenizer=true to use the policy's")
-    return AutoTokenizer.from_pretrained(str(Path(directory).expanduser()))
+    return loading.load_tokenizer(str(Path(directory).expanduser()))
 
 
 def check_same_vocabulary(directory: str, key: str, policy_tokenizer) -> None:
