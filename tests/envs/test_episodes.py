@@ -286,3 +286,15 @@ def test_posttrain_eval_plays_the_runs_episodes_and_reproduces_its_final_eval(tm
     scored, summary = json.loads(path.read_text()), json.loads((run_dir / "summary.json").read_text())
     assert scored["eval/accuracy"] == summary["eval/accuracy"]
     assert scored["eval/response_len"] == summary["eval/response_len"]
+
+
+def test_the_episode_judges_a_turn_the_budget_cut(source):
+    tokenizer = build_char_tokenizer(source.alphabet)
+    secret = int(source.example("train", 0).answer)
+    long_guess = ids_of(tokenizer, str(secret)) * 9  # longer than the whole budget
+    collector, _, example = collector_for(source, tokenizer, [long_guess], max_new_tokens=5)
+    collector.episodes.budget.turn_tokens = None
+    exp, metrics = collector.sample_and_score([example], 0, torch.Generator())
+    assert exp.truncated.all() and exp.turns.tolist() == [1, 1]  # answered, not dropped
+    assert exp.scores.tolist() == [0.0, 0.0] and metrics["episode/turns"] == 1.0
+    assert metrics["episode/invalid_guesses"] == 1.0  # the episode read the cut turn

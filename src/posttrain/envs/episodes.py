@@ -147,6 +147,8 @@ class Episodes:
         elif whole and not bool(batch.truncated[row]):
             self.end_turn(trajectory, closed=True)  # an EOS
         elif len(trajectory.tokens) >= self.budget.tokens:
+            if self.env is not None:  # the episode still answers (and judges) the turn the budget cut
+                self.end_turn(trajectory, closed=False)
             trajectory.ended, trajectory.truncated = True, True
         elif self.room(trajectory) <= 0:
             self.end_turn(trajectory, closed=False)  # the turn's own budget is spent
