@@ -297,3 +297,16 @@ def test_the_episode_judges_a_turn_the_budget_cut(source):
     exp, metrics = collector.sample_and_score([example], 0, torch.Generator())
     assert exp.truncated.all() and exp.turns.tolist() == [1, 1]  # answered, not dropped
     assert exp.scores.tolist() == [0.0, 0.0] and metrics["episode/turns"] == 1.0
+
+
+@pytest.mark.parametrize("setting", [("rollout=hf",), ("rollout.max_staleness=1",),
+                                     ("rollout.dtype=bfloat16", "rollout.correction.tis=token")],
+                         ids=["hf", "producer", "corrected"])
+def test_episodes_run_with_each_engine_the_producer_and_the_corrections(make_config, setting):
+    from posttrain.train import run
+
+    cfg = make_config(*FAST_RUN, "experiment=guess_number", "algorithm.warm_start.steps=0", *setting,
+                      "algorithm.prompts_per_step=2", "algorithm.group_size=4", "trainer.max_steps=2",
+                      "trainer.val_check_interval=2", "eval.num_prompts=8", "eval.batch_size=8", "eval.at_start=false")
+    summary = run(cfg, announce=False)
+    assert summary["global_step"] == 2 and 1.0 <= summary["eval/episode/turns"] <= 3.0
