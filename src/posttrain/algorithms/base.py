@@ -14,11 +14,11 @@ from lightning.pytorch.loggers import WandbLogger
 from torch.distributed.tensor import DTensor
 
 from posttrain.core import calibration_bins, calibration_error, pass_at_k, reliability
-from posttrain.data.datamodule import collate_prompts, prompt_token_ids
+from posttrain.data.datamodule import collate_prompts
 from posttrain.data.panel import panel_examples
 from posttrain.distributed.collectives import all_reduce_sum, any_rank_needs, average_gradients, rank_and_world
 from posttrain.distributed.sharding import GatheringEngine, is_sharded, shard_module
-from posttrain.envs.episodes import Budget, Episodes, last_turn_text, marked_text, transcript
+from posttrain.envs.episodes import Budget, Episodes, marked_text, outcome
 from posttrain.errors import ConfigError
 from posttrain.files import write_jsonl_atomic
 from posttrain.models.loading import stop_token_ids
@@ -101,11 +101,7 @@ def play_and_score(module: "PosttrainModule", batch: dict, params: SamplingParam
     episodes = Episodes(module.env, module.tokenizer, Budget(params.max_new_tokens, module.turn_tokens,
                                                              module.env.max_turns),
                         stop_token_ids(module.tokenizer, module.policy))
-    trajectories = []
-    for group, example in enumerate(batch["examples"]):
-        example = module.env.prepare(example)
-        prompt = torch.tensor(prompt_token_ids(example, module.tokenizer), dtype=torch.long)
-        trajectories.append(episodes.start(example, group, prompt, with_support=False))
+    trajectories = episodes.start_all(batch["examples"], first_group=0, group_size=1, with_support=False)
     while any_rank_needs(sum(not t.ended for t in trajectories)):
         active = [t for t in trajectories if not t.ended]
         rows = active or trajectories[:1]  # a stand-in: generated, never extended
@@ -114,15 +110,14 @@ def play_and_score(module: "PosttrainModule", batch: dict, params: SamplingParam
         rollout = module.generate(ids.to(module.device), mask.to(module.device), call, generator=generator)
         for i, trajectory in enumerate(active):
             episodes.extend(trajectory, rollout, i, version=0)
-    finals = [last_turn_text(t, module.tokenizer) for t in trajectories]
-    correct = [float(t.correct) if t.correct is not None else float(module.source.is_correct(t.example, final))
-               for t, final in zip(trajectories, finals)]
-    transcripts = [transcript(t, module.tokenizer) for t in trajectories]
-    return Scored([marked_text(parts) for parts in transcripts], correct,
+    ended = [outcome(t, module.tokenizer) for t in trajectories]
+    correct = [float(o.correct) if o.correct is not None else float(module.source.is_correct(t.example, o.final))
+               for t, o in zip(trajectories, ended)]
+    return Scored([marked_text(o.transcript) for o in ended], correct,
                   [float(t.policy_mask().sum()) for t in trajectories], [t.truncated for t in trajectories],
                   confidence=[math.exp(min(0.0, float(t.logprobs.double().sum()))) for t in trajectories],
-                  finals=finals, env_returns=[sum(t.turn_rewards) for t in trajectories],
-                  env_correct=[t.correct for t in trajectories], transcripts=transcripts,
+                  finals=[o.final for o in ended], env_returns=[o.env_return for o in ended],
+                  env_correct=[o.correct for o in ended], transcripts=[o.transcript for o in ended],
                   episode_metrics=[{"turns": float(t.turns), **t.metrics} for t in trajectories])
 
 

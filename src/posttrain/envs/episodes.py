@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from posttrain.data.datamodule import left_padded
+from posttrain.data.datamodule import left_padded, prompt_token_ids
 from posttrain.data.examples import Example
 from posttrain.envs.base import Environment, Turn, observation_ids
 from posttrain.errors import DataError
@@ -100,6 +100,18 @@ class Episodes:
         self.eos_ids = torch.as_tensor(eos_ids, dtype=torch.long)
 
     # --- starting ------------------------------------------------------------------------------
+    def start_all(self, examples: list[Example], first_group: int, group_size: int,
+                  with_support: bool) -> list[Trajectory]:
+        """`group_size` trajectories of each example, nothing sampled yet (with an environment, the
+        example as it prepares it and the episodes started), groups numbered from `first_group`."""
+        trajectories = []
+        for number, example in enumerate(examples):
+            if self.env is not None:
+                example = self.env.prepare(example)
+            prompt = torch.tensor(prompt_token_ids(example, self.tokenizer), dtype=torch.long)
+            trajectories += [self.start(example, first_group + number, prompt, with_support) for _ in range(group_size)]
+        return trajectories
+
     def start(self, example: Example, group: int, prompt: torch.Tensor, with_support: bool) -> Trajectory:
         empty = torch.zeros(0, dtype=torch.long)
         trajectory = Trajectory(
@@ -275,6 +287,21 @@ def as_batch(trajectories: list[Trajectory], width: int, pad_token_id: int, devi
         env_mask=env_mask.to(device) if with_env else None,
         turn_rewards=turn_rewards.to(device) if with_env else None,
         turns=torch.tensor([t.turns for t in trajectories], device=device) if with_env else None)
+
+
+@dataclass
+class Outcome:
+    """An ended episode as its scorers and logs read it."""
+
+    final: str                 # the policy's last turn, decoded (what a final-answer verifier reads)
+    env_return: float          # the environment's rewards, summed over the turns
+    correct: bool | None       # the environment's verdict, where it gave one
+    transcript: list[dict]     # the whole episode, [{"role": "policy" | "env", "text"}]
+
+
+def outcome(trajectory: Trajectory, tokenizer) -> Outcome:
+    return Outcome(last_turn_text(trajectory, tokenizer), sum(trajectory.turn_rewards), trajectory.correct,
+                   transcript(trajectory, tokenizer))
 
 
 def last_turn_text(trajectory: Trajectory, tokenizer) -> str:

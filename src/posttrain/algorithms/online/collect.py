@@ -31,8 +31,8 @@ import torch
 
 from posttrain.algorithms.experience import Experience
 from posttrain.algorithms.online.sampler import PolicySampler
-from posttrain.data.datamodule import collate_prompts, prompt_token_ids
-from posttrain.envs.episodes import Budget, Episodes, Trajectory, TrajectoryBatch, as_batch, last_turn_text, transcript
+from posttrain.data.datamodule import collate_prompts
+from posttrain.envs.episodes import Budget, Episodes, Trajectory, TrajectoryBatch, as_batch, outcome
 from posttrain.rewards.samples import rollout_samples
 from posttrain.rollout import RolloutBatch, SamplingParams
 from posttrain.rollout.repetition import first_repetition
@@ -69,8 +69,8 @@ class CollectedBatch:
 class CollectSettings:
     """What one rollout batch is: `group_size` samples of `prompts_per_step` prompts drawn with
     `sampling`, ended by any of `eos_ids`; `partial_budget` tokens per generate call (partial
-    rollouts; None: whole responses); `env` an environment answering each turn (`turn_tokens` per
-turn, `max_new_tokens` in all). The rest comes from the parts that are on: a process
+    rollouts; None: whole responses); `env` an environment answering each turn (`turn_tokens`
+    per turn, `max_new_tokens` in all). The rest comes from the parts that are on: a process
     reward's `step_rule`, `process_reward` and `prm_stop_below` (parts/process_rewards.py),
     the constraint's `cost_component` (parts/constraint.py)."""
 
@@ -224,7 +224,7 @@ class Collector:
         group_size = group_size or self.group_size
         self._sampled[0] += len(examples) * group_size
         if self.env is not None:
-            trajectories = self.start_trajectories(examples, first_group, group_size)
+            trajectories = self.episodes.start_all(examples, first_group, group_size, self.sampling.return_support)
             while any(not t.ended for t in trajectories):
                 self.advance([t for t in trajectories if not t.ended], None, generator)
             return self.score_trajectories(trajectories)
@@ -234,19 +234,6 @@ class Collector:
         batch = self.timed_generate(prompt_ids, prompt_mask, self.sampling, generator)
         groups = [first_group + i // group_size for i in range(len(batch.response_ids))]
         return self.score(batch, [examples[i // group_size] for i in range(len(groups))], groups)
-
-    def start_trajectories(self, examples, first_group: int, group_size: int) -> list[Trajectory]:
-        """`group_size` trajectories of each example, nothing sampled yet (the environment's
-        episodes started), groups numbered from `first_group`."""
-        trajectories = []
-        for number, example in enumerate(examples):
-            if self.env is not None:
-                example = self.env.prepare(example)
-            prompt = torch.tensor(prompt_token_ids(example, self.tokenizer), dtype=torch.long)
-            for _ in range(group_size):
-                trajectories.append(self.episodes.start(example, first_group + number, prompt,
-                                                        self.sampling.return_support))
-        return trajectories
 
     def advance(self, active: list[Trajectory], per_call: int | None, generator) -> None:
         """One generate call over the trajectories under way: each gets at most `per_call`
@@ -268,9 +255,9 @@ class Collector:
         if episodes is not None and self.env is not None:
             for sample, trajectory in zip(samples, episodes):
                 # the final answer is the last turn; the environment's rewards and verdict ride along
-                sample.response = last_turn_text(trajectory, self.tokenizer)
-                sample.env_return, sample.env_correct = sum(trajectory.turn_rewards), trajectory.correct
-                sample.transcript = transcript(trajectory, self.tokenizer)
+                ended = outcome(trajectory, self.tokenizer)
+                sample.response, sample.env_return, sample.env_correct = ended.final, ended.env_return, ended.correct
+                sample.transcript = ended.transcript
         prm_stopped = None
         if self.prm_stop_below is not None:
             samples, step_ends, prm_stopped = self.stop_at_low_prm_steps(batch, samples, step_ends)
@@ -327,7 +314,8 @@ class Collector:
     def continue_partial(self, examples, generator) -> tuple[Experience | None, dict]:
         """One generate call of `partial_budget` tokens over every trajectory under way and G
         new ones per example; returns the groups that ended in it, scored (None if none)."""
-        self.pending += self.start_trajectories(examples, self.next_group, self.group_size)
+        self.pending += self.episodes.start_all(examples, self.next_group, self.group_size,
+                                                self.sampling.return_support)
         self.next_group += len(examples)
         self._sampled[0] += len(examples) * self.group_size
         active = [t for t in self.pending if not t.ended]
@@ -363,7 +351,6 @@ class Collector:
         batch = as_batch(trajectories, self.sampling.max_new_tokens, self.tokenizer.pad_token_id, self.device)
         return self.score(batch.rollout, [t.example for t in trajectories], [t.group for t in trajectories],
                           versions=batch.versions, segments=batch.segments, trajectories=batch, episodes=trajectories)
-
 
     # --- state (checkpoints, a producer's hand-over) ------------------------------------------
     def state_dict(self) -> dict:
