@@ -260,6 +260,9 @@ def test_options_are_checked_and_the_yaml_builds_the_environment(monkeypatch):
     checked = []
     monkeypatch.setattr(code_env, "check_isolation", checked.append)
     node = OmegaConf.load(Path(CONFIG_DIR) / "env" / "code.yaml")
-    env = build_env(node)
+    source = CodeTaskSource(CodeTaskGenerator(seed=4))
+    env = build_env(node, source)
     assert isinstance(env, CodeEnvironment) and env.max_turns == 1 and env.feedback
     assert env.limits == SandboxLimits(**node.sandbox) and checked == [env.limits]
+    # attached: an episode cut before its verdict (a repetition stop) is judged by the source
+    assert source.verifier == env.is_correct

@@ -3,6 +3,7 @@ sees the ids the policy sampled, the environment's ids between its turns are rea
 of every loss, each turn's reward lands at the turn's last token, partial rollouts pause and
 resume an episode (through a checkpoint too), and held-out evaluation plays episodes."""
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -297,6 +298,25 @@ def test_the_episode_judges_a_turn_the_budget_cut(source):
     exp, metrics = collector.sample_and_score([example], 0, torch.Generator())
     assert exp.truncated.all() and exp.turns.tolist() == [1, 1]  # answered, not dropped
     assert exp.scores.tolist() == [0.0, 0.0] and metrics["episode/turns"] == 1.0
+
+
+def test_the_episode_judges_a_turn_the_repetition_stop_ended(source):
+    # the sampler's repetition stop ends a row: without the episode's verdict, the scorer would
+    # fall back to the task source, which for env=code cannot judge (a 20-step SmolLM2 run died so)
+    tokenizer = build_char_tokenizer(source.alphabet)
+    right = ids_of(tokenizer, source.example("train", 0).answer)
+    collector, sampler, example = collector_for(source, tokenizer, [right])
+    generate = sampler.generate
+    sampler.generate = lambda *args, **kwargs: dataclasses.replace(generate(*args, **kwargs), repeated=torch.ones(2, dtype=torch.bool))
+    exp, metrics = collector.sample_and_score([example], 0, torch.Generator())
+    assert exp.turns.tolist() == [1, 1] and exp.correct.tolist() == [1.0, 1.0] and metrics["episode/turns"] == 1.0
+    # a wrong guess the stop cut: judged, and the trajectory ends without the episode's reply
+    wrong = ids_of(tokenizer, str(int(source.example("train", 0).answer) % 16 + 1))
+    collector, sampler, example = collector_for(source, tokenizer, [wrong])
+    generate = sampler.generate
+    sampler.generate = lambda *args, **kwargs: dataclasses.replace(generate(*args, **kwargs), repeated=torch.ones(2, dtype=torch.bool))
+    exp, _ = collector.sample_and_score([example], 0, torch.Generator())
+    assert exp.turns.tolist() == [1, 1] and exp.scores.tolist() == [0.0, 0.0] and exp.env_mask.sum() == 0
 
 
 @pytest.mark.parametrize("setting", [("rollout=hf",), ("rollout.max_staleness=1",),

@@ -61,9 +61,9 @@ class Environment:
 
     `max_turns` bounds an episode's policy turns. (The embedded model's tokenizer knows the
     characters of its task source only: an environment for it replies in those; a character
-    it lacks is an error naming it.) Subclasses implement `start`, and may override `prepare` (the prompt an episode starts
-    from: a system prompt describing tools, say) and `check` (a start-up check of what the
-    environment needs, like the sandbox's isolation)."""
+    it lacks is an error naming it.) Subclasses implement `start`, and may override `prepare` (the
+    prompt an episode starts from: a system prompt describing tools, say), `check` (a start-up
+    check of what the environment needs, like the sandbox's isolation) and `attach`."""
 
     name = "environment"
     # the counts its replies report (Reply.metrics): held-out evaluation reduces these over the ranks
@@ -83,6 +83,11 @@ class Environment:
 
     def check(self) -> None:
         """Raise a ConfigError when this machine cannot run the environment as configured."""
+
+    def attach(self, source) -> None:
+        """Called once with the run's task source. An environment that is the only judge of the
+        source's answers (env=code: tests run in the sandbox) hands it its verifier here, so an
+        episode cut before the environment gave a verdict is still judged."""
 
 
 # --- observations as tokens ------------------------------------------------------------------

@@ -27,8 +27,9 @@ def env_options(env_cfg) -> dict:
     return OmegaConf.to_container(env_cfg, resolve=True) if isinstance(env_cfg, DictConfig) else dict(env_cfg)
 
 
-def build_env(env_cfg) -> Environment | None:
-    """The configured environment, checked (`Environment.check`): None for `env=none`."""
+def build_env(env_cfg, source) -> Environment | None:
+    """The configured environment, checked (`Environment.check`) and attached to the run's task
+    `source` (`Environment.attach`): None for `env=none`."""
     cfg = env_options(env_cfg)
     target = cfg.get(TARGET)
     if target is None:
@@ -45,6 +46,7 @@ def build_env(env_cfg) -> Environment | None:
     except TypeError as err:
         raise ConfigError(f"env ({target}): {err}") from None
     env.check()
+    env.attach(source)
     return env
 
 

@@ -384,7 +384,8 @@ class CodeEnvironment(Environment):
 
     def attach(self, source) -> None:
         """Let a code task source (data/code_tasks.py) judge correctness through this sandbox."""
-        source.verifier = self.is_correct
+        if hasattr(source, "verifier"):
+            source.verifier = self.is_correct
 
     def feedback_text(self, outcome: TestOutcome) -> str:
         if outcome.status == "no_code":

@@ -155,6 +155,8 @@ class Episodes:
         trajectory.segments += 1
         whole = take == length  # nothing cut at the room
         if whole and bool(batch.repeated[row]):
+            if self.env is not None:  # the episode still judges the turn the repetition stop cut
+                self.end_turn(trajectory, closed=False, last=True)
             trajectory.ended, trajectory.repeated = True, True
         elif whole and not bool(batch.truncated[row]):
             self.end_turn(trajectory, closed=True)  # an EOS
@@ -165,9 +167,10 @@ class Episodes:
         elif self.room(trajectory) <= 0:
             self.end_turn(trajectory, closed=False)  # the turn's own budget is spent
 
-    def end_turn(self, trajectory: Trajectory, closed: bool) -> None:
+    def end_turn(self, trajectory: Trajectory, closed: bool, last: bool = False) -> None:
         """A policy turn is over: the episode answers it (with an environment), or the response
-        has ended (without one)."""
+        has ended (without one). `last`: the trajectory ends here whatever the episode says (a
+        repetition stop): its verdict and reward are kept, its reply is not appended."""
         if self.env is None:
             trajectory.ended = True
             trajectory.truncated = not closed
@@ -182,7 +185,7 @@ class Episodes:
             trajectory.metrics[name] = trajectory.metrics.get(name, 0.0) + float(value)
         if reply.correct is not None:
             trajectory.correct = bool(reply.correct)
-        if reply.done or trajectory.turns >= self.env.max_turns:
+        if last or reply.done or trajectory.turns >= self.env.max_turns:
             trajectory.ended = True
             trajectory.truncated = not closed and not reply.done
             return

@@ -140,7 +140,7 @@ def build_eval_module(policy, tokenizer, source, cfg: DictConfig):
                              eval_max_new_tokens=cfg.eval.max_new_tokens)
             self.sampling, self.num_samples, self.seed = sampling, num_samples, seed
             # the run's environment: each prompt is then an episode, greedy and sampled alike
-            self.env, self.turn_tokens = build_env(cfg.get("env")), turn_tokens(cfg.get("env"))
+            self.env, self.turn_tokens = build_env(cfg.get("env"), source), turn_tokens(cfg.get("env"))
             self.judges = None  # best_of_n.Judges: predict judges the samples instead of counting correct ones
             # (budget, end-of-thinking token ids): predict scores greedy responses under a thinking budget
             self.thinking = None

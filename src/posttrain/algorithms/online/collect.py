@@ -333,17 +333,21 @@ class Collector:
         the sampler sees one segment at a time, so a loop spanning segments is found here, at
         the token where sampling in one call would have found it."""
         rule = self.sampling.repetition
-        trajectories = [t for t in trajectories if rule is not None and len(t.tokens) >= rule.window]
+        # an episode's current turn only: earlier turns were checked as they were sampled, and
+        # the environment's tokens are not the policy's to repeat
+        trajectories = [t for t in trajectories if rule is not None and len(t.tokens) - t.turn_start >= rule.window]
         if not trajectories:
             return
-        width = max(len(t.tokens) for t in trajectories)
+        width = max(len(t.tokens) - t.turn_start for t in trajectories)
         tokens = torch.full((len(trajectories), width), self.tokenizer.pad_token_id, dtype=torch.long)
         for i, t in enumerate(trajectories):
-            tokens[i, :len(t.tokens)] = t.tokens
+            tokens[i, :len(t.tokens) - t.turn_start] = t.tokens[t.turn_start:]
         found = first_repetition(tokens, self.eos_ids, rule).tolist()
         for trajectory, at in zip(trajectories, found):
-            if 0 <= at < len(trajectory.tokens):  # a detection in the padding is not one
-                self.episodes.cut_at(trajectory, at + 1)
+            if 0 <= at < len(trajectory.tokens) - trajectory.turn_start:  # a detection in the padding is not one
+                self.episodes.cut_at(trajectory, trajectory.turn_start + at + 1)
+                if self.episodes.env is not None:  # the episode judges the turn the stop cut
+                    self.episodes.end_turn(trajectory, closed=False, last=True)
                 trajectory.ended, trajectory.repeated, trajectory.truncated = True, True, False
 
     def score_trajectories(self, trajectories: list[Trajectory]) -> tuple[Experience, dict]:

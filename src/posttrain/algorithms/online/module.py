@@ -88,7 +88,7 @@ class OnlineRLModule(PosttrainModule):
         self.batch_size = self.prompts_per_step = settings["prompts_per_step"]
         self.group_size = settings["group_size"]
         self.reward_cfg = reward
-        self.env, self.turn_tokens = build_env(env), turn_tokens(env)  # None: one response per prompt (envs/)
+        self.env, self.turn_tokens = build_env(env, source), turn_tokens(env)  # None: one response per prompt (envs/)
 
         # the policy loss, the advantage and KL estimators (formulas.py), checked on a dummy batch
         self.formulas = resolve_formulas(algorithm, advantage, kl_estimator, rollout.max_new_tokens)
