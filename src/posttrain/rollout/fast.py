@@ -14,7 +14,11 @@ all rows are done (that arithmetic is paid for anyway and is discarded).
 
 The decode step runs eagerly (no ``torch.compile``): on the tiny CPU model a compile
 costs more seconds than a whole rollout stage, and the step is already a handful of ops
-per layer. Speed against ``hf`` and the forward-only ceiling: benchmarks/rollout_speed.py.
+per layer. On a GPU that eager step waits on kernel launches (~20 per layer), so there
+``cuda_graphs`` (``rollout.cuda_graphs``; auto: on for a CUDA model, off on the CPU) takes the
+fixed-shape decode step of static_cache.py and replays it as CUDA graphs, one launch per
+token. Speed against ``hf`` and the forward-only ceiling: benchmarks/rollout_speed.py; on a
+GPU, eager against graphs: benchmarks/gpu_check.sh.
 """
 
 from __future__ import annotations
@@ -42,26 +46,76 @@ from .base import (
     sample_next_token,
 )
 from .repetition import RepetitionDetector
+from .static_cache import StaticDecoders, pad_prompts_left, padded_prompt_width
 
 log = logging.getLogger(__name__)
+
+
+CUDA_GRAPHS = ("auto", True, False)
 
 
 class FastSampler:
     """Args:
     use_functional: take the fused functional path when the architecture supports it
         (False forces the generic HF-forward loop, e.g. to compare the two).
+    cuda_graphs: ``rollout.cuda_graphs``. ``auto``: on when the model is on a CUDA device.
+        ``true``: the fixed-shape decode step of static_cache.py, replayed as CUDA graphs on a
+        CUDA device and run eagerly on the CPU (slower there than the default step: for tests).
+        ``false``: the eager ``FunctionalDecoder`` step. Only for the functional path.
 
-    The fused weights are rebuilt on every call (~1 ms on the tiny model): caching them
-    would risk sampling from stale weights after an update that bypasses the version
-    counter (``param.data.copy_``), and their memory is freed between rollouts.
+    Without graphs the fused weights are rebuilt on every call (~1 ms on the tiny model):
+    caching them would risk sampling from stale weights after an update that bypasses the
+    version counter (``param.data.copy_``), and their memory is freed between rollouts. With
+    them the decoder (fused weights, KV cache, graphs) is kept between calls and its weights
+    are re-fused from the model, in place, at every call (static_cache.py, "Kept across calls").
     """
 
-    def __init__(self, use_functional: bool = True):
+    config_keys = ("cuda_graphs",)
+
+    def __init__(self, use_functional: bool = True, cuda_graphs: str | bool = "auto"):
+        if not any(type(cuda_graphs) is type(option) and cuda_graphs == option for option in CUDA_GRAPHS):
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPHS}, got {cuda_graphs!r}")
         self.use_functional = use_functional
+        self.cuda_graphs = cuda_graphs
         self._warned: set[str] = set()
+        self._decoders = StaticDecoders()
+        self._graphs_failed = False
 
     def uses_functional_path(self, model: nn.Module) -> bool:
         return self.use_functional and unsupported_reason(without_adapter_wrapper(model)) is None
+
+    def uses_static_cache(self, device: torch.device) -> bool:
+        """Whether a functional-path call on ``device`` takes the fixed-shape decode step."""
+        if self.cuda_graphs == "auto":
+            return device.type == "cuda" and not self._graphs_failed
+        return self.cuda_graphs
+
+    def release(self) -> None:
+        """Free the decoders kept between calls (their weights, KV caches and graphs)."""
+        self._decoders.clear()
+
+    def _static_decoder(self, model, prompt_ids, prompt_mask, params, pad_token_id):
+        """(decoder, its first logits) on the fixed-shape path, or None where ``auto`` could not
+        capture the graphs (warned once; the eager step then serves this sampler)."""
+        device = prompt_ids.device
+        graphs = device.type == "cuda"
+        if not graphs and "static-eager" not in self._warned:
+            self._warned.add("static-eager")
+            log.info("rollout=fast: cuda_graphs=true on %s runs the fixed-shape decode step eagerly", device)
+        width = padded_prompt_width(prompt_ids.shape[1])
+        ids, mask = pad_prompts_left(prompt_ids, prompt_mask, width, pad_token_id)
+        try:
+            decoder = self._decoders.get(model, ids.shape[0], width + params.max_new_tokens, params.weights_dtype,
+                                         graphs)
+        except RuntimeError as err:
+            if self.cuda_graphs is True or not graphs:
+                raise
+            self._graphs_failed = True
+            self._decoders.clear()
+            log.warning("rollout=fast: capturing the decode step as CUDA graphs failed (%s); sampling with the "
+                        "eager step from now on (rollout.cuda_graphs=false silences this)", err)
+            return None
+        return decoder, decoder.prefill(ids, mask)
 
     @torch.inference_mode()
     def generate(
@@ -81,7 +135,13 @@ class FastSampler:
         model = without_adapter_wrapper(model)  # a LoRA policy: its adapter is read from its layers
         with eval_mode(model):
             reason = unsupported_reason(model) if self.use_functional else "use_functional=False"
-            if reason is None:
+            static = None
+            if reason is None and self.uses_static_cache(prompt_ids.device):
+                static = self._static_decoder(model, prompt_ids, prompt_mask, params, pad_token_id)
+            if static is not None:
+                decoder, logits = static
+                step = decoder.step
+            elif reason is None:
                 decoder = FunctionalDecoder(model, batch, plen + params.max_new_tokens, dtype=params.weights_dtype)
                 logits = decoder.prefill(prompt_ids, prompt_mask)
                 step = decoder.step
