@@ -14,6 +14,7 @@ from posttrain.core.mismatch import CORRECTION_LEVELS
 from posttrain.distributed.collectives import device_count
 from posttrain.models.loading import DTYPES
 from posttrain.rollout import ALL_ROLLOUT_ENGINES
+from posttrain.rollout.fast import CUDA_GRAPHS
 from posttrain.rollout.vllm import SLEEP_LEVELS
 
 SPECS: dict[str, Spec] = {
@@ -22,6 +23,8 @@ SPECS: dict[str, Spec] = {
     "rollout.top_p": number(0, 1, low_open=True).about("1: off"),
     "rollout.top_k": integer(0).about("0: off"),
     "rollout.max_new_tokens": integer(1).about("generation budget in tokens"),
+    "rollout.cuda_graphs": choice(*CUDA_GRAPHS).about("rollout=fast: replay the decode step as CUDA graphs; auto: "
+                                                      "on for a CUDA model, off on the CPU"),
     "rollout.prm_stop_below": optional(number()).about("cut a response after a step the PRM scores below this; "
                                                        "null: off"),
     "rollout.repetition.ngram": optional(integer(1)).about("longest repeated block looked for, in tokens; null: off"),
