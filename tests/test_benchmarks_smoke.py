@@ -106,3 +106,47 @@ def test_async_rollouts_benchmark_reads_throughput_and_curves_from_a_run(tmp_pat
     assert rates["batches_per_min_wall"] == pytest.approx(60 * 2 / 1.2)  # 0.6 s apart
     assert bench.accuracy_at(data) == [{"batch": 0, "elapsed_s": 0.0, "accuracy": 0.25},
                                        {"batch": 3, "elapsed_s": pytest.approx(6.2), "accuracy": 0.5}]
+
+
+def test_gpu_check_parts_run_on_the_cpu_at_tiny_sizes(tmp_path):
+    """benchmarks/gpu_check.py (the Python parts of gpu_check.sh) at toy sizes on the CPU: the
+    rollout rows (fast eager, fast with the fixed-shape step, which runs eagerly here, and hf) count
+    the same tokens and decode greedily alike; a GRPO step of the tiny Qwen2 shape runs its four
+    stages under bf16-mixed; a run directory's metrics.jsonl is summarised; the report gathers
+    the parts. Speed is the GPU's to measure, never asserted."""
+    import json
+
+    bench = load_benchmark("gpu_check")
+    assert bench.qwen2_config(bench.QWEN2_5_0_5B).num_key_value_heads == 2  # the config builds, no download
+    rollout = bench.main(["rollout", "--model", "tiny", "--rows", "4", "--new-tokens", "5", "--prompt-tokens", "6",
+                          "--group-size", "2", "--repeats", "1", "--dtype", "float32",
+                          "--json", str(tmp_path / "rollout_tiny.json")])
+    assert set(rollout["rows"]) == {"fast_eager", "fast_graphs", "hf"}
+    assert {row["tokens"] for row in rollout["rows"].values()} == {4 * 5}  # the EOS is never sampled
+    assert rollout["greedy_same_token_share"] == 1.0 and rollout["greedy_logprob_max_gap_before_first_difference"] < 1e-5
+    assert rollout["graphs_captured"] is False  # no CUDA here
+
+    step = bench.main(["grpo-step", "--shape", "tiny", "--rows", "4", "--new-tokens", "5", "--prompt-tokens", "6",
+                       "--group-size", "2", "--steps", "2", "--precision", "bf16-mixed", "--sampler-dtype", "bfloat16",
+                       "--micro-batch-rows", "2", "--cuda-graphs", "true", "--json", str(tmp_path / "grpo_step.json")])
+    stages = step["mean_after_first"]
+    assert all(stages[f"{s}_s"] >= 0 for s in ("collect", "annotate", "advantages", "update"))
+    assert stages["generated_tokens"] == 4 * 5 and isinstance(step["goal_met"], bool)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 0, "eval/accuracy": 0.25}]
+    rows += [{"step": s, "perf/collect_s": 1.0 + (s == 1), "perf/annotate_s": 0.0, "perf/advantages_s": 0.0,
+              "perf/update_s": 0.5, "perf/tokens_per_s": 100.0 * s} for s in (1, 2, 3)]
+    rows.append({"step": 3, "eval/accuracy": 0.5})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    summary = bench.main(["run-summary", str(run), "--json", str(tmp_path / "run_grpo.json")])
+    assert summary["s_per_step"] == pytest.approx(1.5) and summary["first_step_s"] == pytest.approx(2.5)
+    assert summary["tokens_per_s"] == pytest.approx(250.0)
+    assert (summary["accuracy_first"], summary["accuracy_last"]) == (0.25, 0.5)
+
+    (tmp_path / "broken.json").write_text("{")
+    parts = bench.main(["report", str(tmp_path), "--markdown", str(tmp_path / "all.md")])
+    assert set(parts) == {"rollout_tiny", "grpo_step", "run_grpo", "broken"} and "error" in parts["broken"]
+    table = (tmp_path / "all.md").read_text()
+    assert "graphs/eager" in table and "s/step" in table and "goal < 10 s" in table
