@@ -1,11 +1,12 @@
-"""rollout=vllm (rollout/vllm.py). vLLM needs CUDA and is not installed here, so the CPU tests
+"""rollout=vllm (rollout/vllm.py). vLLM is not installed in the main env, so these tests
 inject a fake `vllm` module (sys.modules) that implements the small part of vLLM's offline
 API the engine uses, on a real Hugging Face model built from the config the engine exports:
 dummy weights at construction, `load_weights` through `apply_model`, sleep/wake, per-request
 seeds, stop token ids, and the two logprobs modes. Against it the tests check the batch
 conversion (the same RolloutBatch the fast engine builds from the same tokens), the weight
-sync hook, and the config rules. The tests marked `gpu` use the real vLLM; they are skipped
-by default (pyproject addopts) and were NOT run here (no GPU on the machine that wrote them)."""
+sync hook, and the config rules. The tests marked `gpu` use the real vLLM on CUDA; they are skipped
+by default (pyproject addopts) and were NOT run here (no GPU on the machine that wrote them). The
+real vLLM's CPU build is tested in test_vllm_real.py (marker `vllm`, in the vLLM venv)."""
 
 from __future__ import annotations
 
@@ -513,15 +514,18 @@ def test_gpu_tokens_per_second_vllm_and_fast(tiny_hf_model, capsys):
     prompt_ids, prompt_mask = left_padded(policy.config.vocab_size, (0,) * 256, 16)
     prompt_ids, prompt_mask = prompt_ids.cuda(), prompt_mask.cuda()
     params = SamplingParams(max_new_tokens=128)
+    # vLLM >= 0.32 refuses a stop id outside the vocabulary (the -1 this test passed): the last id,
+    # rare under a random model; the rate counts the tokens generated, whatever the rows' lengths
+    stop = [policy.config.vocab_size - 1]
     rates = {}
     for name, engine in (("vllm", real_vllm_engine()), ("fast", FastSampler())):
-        engine.generate(policy, prompt_ids, prompt_mask, params, [-1], 0)  # warm-up (vLLM: build)
+        engine.generate(policy, prompt_ids, prompt_mask, params, stop, 0)  # warm-up (vLLM: build)
         torch.cuda.synchronize()
         started = time.perf_counter()
-        out = engine.generate(policy, prompt_ids, prompt_mask, params, [-1], 0, torch.Generator("cuda").manual_seed(1))
+        out = engine.generate(policy, prompt_ids, prompt_mask, params, stop, 0, torch.Generator("cuda").manual_seed(1))
         torch.cuda.synchronize()
         rates[name] = float(out.response_mask.sum()) / (time.perf_counter() - started)
-        assert out.response_mask.sum() == 256 * 128  # no stop id: every row runs the whole budget
+        assert out.response_mask.sum() > 256 * 64  # most rows run most of the budget
     with capsys.disabled():
         print(f"\ntokens/s: vllm {rates['vllm']:.0f}, fast {rates['fast']:.0f}")
 
