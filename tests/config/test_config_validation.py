@@ -138,7 +138,7 @@ def test_a_bool_is_not_an_int_and_an_int_is_not_a_bool():
 
 def test_a_value_outside_its_choices_lists_them():
     assert refusal("rollout.engine=sglang") == (
-        "rollout.engine='sglang' is not valid: expected one of 'fast', 'hf', 'vllm'.")
+        "rollout.engine='sglang' is not valid: expected one of 'fast', 'hf', 'vllm', 'vllm_server'.")
 
 
 def test_a_required_value_left_unset_is_named():

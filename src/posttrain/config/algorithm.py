@@ -120,10 +120,10 @@ def preference_algorithm_reads_no_reward(v: Values):
 def preference_algorithm_samples_in_process(v: Values):
     """rollout=vllm is online RL's sampler; a preference run would build one engine for its
     embedded pairs and another for held-out generation, on one GPU."""
-    if v["algorithm.kind"] in ("preference", "process") and v.get("rollout.engine") == "vllm":
-        algorithm = v.algorithm()
+    if v["algorithm.kind"] in ("preference", "process") and v.get("rollout.engine") in ("vllm", "vllm_server"):
+        algorithm, engine = v.algorithm(), v.get("rollout.engine")
         yield (f"algorithm={algorithm} trains on fixed data it samples once (preference pairs, step rows): "
-               f"rollout=vllm (online RL's sampler) is not supported with it; use rollout=fast or rollout=hf")
+               f"rollout={engine} (online RL's sampler) is not supported with it; use rollout=fast or rollout=hf")
 
 
 @rule

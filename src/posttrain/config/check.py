@@ -97,6 +97,7 @@ RULES: tuple[Rule, ...] = (
     run.online_rl_steps_its_own_optimiser,
     run.accelerator_is_present,
     rollout.vllm_rollout_can_run,
+    rollout.vllm_server_can_run,
     env.env_options_fit_the_environment,
     env.an_episode_fits_its_turn,
 )

@@ -4,11 +4,13 @@ rules about what a rollout engine can run."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 
 import torch
 
 from posttrain.algorithms.rules import PRODUCERS, producer_problem
-from posttrain.config.spec import POSITIVE, Spec, Values, boolean, choice, integer, number, optional, rule
+from posttrain.config.spec import (POSITIVE, Spec, Values, boolean, choice, integer, mapping, number, optional,
+                                   pattern, rule, text)
 from posttrain.config.run import is_sharded_strategy
 from posttrain.core.mismatch import CORRECTION_LEVELS
 from posttrain.distributed.collectives import device_count
@@ -56,7 +58,18 @@ SPECS: dict[str, Spec] = {
                                                            "trainer's"),
     "rollout.partial_budget": optional(integer(1)).about("partial rollouts: tokens per generate call, unfinished "
                                                          "responses continue later; null: off"),
-    "rollout.enforce_eager": boolean().about("true: no CUDA graphs"),
+    "rollout.enforce_eager": boolean().about("true: no CUDA graphs (vllm_server: no torch.compile either)"),
+    # rollout=vllm_server's settings (rollout/vllm_server.py)
+    "rollout.url": optional(pattern(r"https?://\S+", "an http(s):// URL")).about("a running server; null: start "
+                                                                                  "one"),
+    "rollout.server_python": optional(text()).about("the server's python (a venv with vLLM); null: "
+                                                    "$POSTTRAIN_VLLM_PYTHON, else this interpreter"),
+    "rollout.host": text().about("where a started server listens"),
+    "rollout.port": optional(integer(1, 65535)).about("null: a free port"),
+    "rollout.kv_cache_gib": POSITIVE.about("the server's KV cache in GiB (on the CPU, host memory)"),
+    "rollout.max_num_seqs": integer(1).about("sequences the server decodes at once"),
+    "rollout.startup_timeout_s": POSITIVE.about("seconds to wait for a started server to answer"),
+    "rollout.server_env": mapping("{VLLM_CPU_OMP_THREADS_BIND: '0-1'}").about("extra environment of the server"),
     "rollout.sleep_level": choice(*SLEEP_LEVELS).about("0: stay awake between rollouts; 1: weights to CPU; "
                                                        "2: weights freed"),
 }
@@ -146,3 +159,24 @@ def vllm_rollout_can_run(v: Values):
                f"rollout.temperature=1 (got {v['rollout.temperature']}): vLLM reports log-probs at temperature 1 or "
                f"renormalised over the top-k/top-p support, not posttrain's log_softmax(logits / T) over the full "
                f"vocabulary")
+
+
+@rule
+def vllm_server_can_run(v: Values):
+    """rollout=vllm_server samples through a vLLM server in another interpreter
+    (rollout/vllm_server.py): its python must exist, and its log-probs follow rollout=vllm's
+    two conventions."""
+    if v.get("rollout.engine") != "vllm_server":
+        return
+    python = v.get("rollout.server_python")
+    if python is not None and v.get("rollout.url") is None and shutil.which(python) is None:
+        yield (f"rollout.server_python={python!r} is not an executable: point it at the python of an environment "
+               f"with vLLM (e.g. <venv>/bin/python), or null for $POSTTRAIN_VLLM_PYTHON, else this interpreter")
+    if v.online() and v.get("algorithm.keep_sampling_mask"):
+        yield ("algorithm.keep_sampling_mask=true needs the sampler's kept top-k/top-p support, which "
+               "rollout=vllm_server does not report; use rollout=fast, or keep_sampling_mask=false")
+    if (v["rollout.top_k"] > 0 or v["rollout.top_p"] < 1.0) and v["rollout.temperature"] != 1.0:
+        yield (f"rollout=vllm_server with rollout.top_k={v['rollout.top_k']} / rollout.top_p={v['rollout.top_p']} "
+               f"needs rollout.temperature=1 (got {v['rollout.temperature']}): vLLM reports log-probs at temperature "
+               f"1 or renormalised over the top-k/top-p support, not posttrain's log_softmax(logits / T) over the "
+               f"full vocabulary")

@@ -6,6 +6,9 @@ the reference.  Both return a ``RolloutBatch`` (see base.py for which distributi
 log-probs refer to) and sample from the same distribution via ``sampling_logits_processor``.
 ``rollout=vllm`` (vllm.py) generates with vLLM on the training GPU; it needs CUDA and the
 optional vllm package, so it is registered apart from the engines that run anywhere.
+``rollout=vllm_server`` (vllm_server.py) samples through a vLLM server in its own process and
+interpreter (``rollout.server_python``, a venv with vLLM), on the CPU or a GPU; the trainer's
+process never imports vLLM.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ from .base import RolloutBatch, RolloutEngine, SamplingParams, sampling_logits_p
 from .fast import FastSampler
 from .hf import HFSampler
 from .vllm import VLLMEngine
+from .vllm_server import VLLMServerEngine
 
 # Engines that run on any machine (the CPU tests run each of them).
 ROLLOUT_ENGINES = {"fast": FastSampler, "hf": HFSampler}
 # Engines that need a GPU and an optional package.
 GPU_ROLLOUT_ENGINES = {"vllm": VLLMEngine}
-ALL_ROLLOUT_ENGINES = {**ROLLOUT_ENGINES, **GPU_ROLLOUT_ENGINES}  # the `rollout` choices
+# Engines served by another process: they need that process's interpreter (a venv with vLLM).
+SERVED_ROLLOUT_ENGINES = {"vllm_server": VLLMServerEngine}
+ALL_ROLLOUT_ENGINES = {**ROLLOUT_ENGINES, **GPU_ROLLOUT_ENGINES, **SERVED_ROLLOUT_ENGINES}  # the `rollout` choices
 
 
 def build_rollout(name: str, **kwargs) -> RolloutEngine:
@@ -40,12 +46,14 @@ __all__ = [
     "ALL_ROLLOUT_ENGINES",
     "GPU_ROLLOUT_ENGINES",
     "ROLLOUT_ENGINES",
+    "SERVED_ROLLOUT_ENGINES",
     "FastSampler",
     "HFSampler",
     "RolloutBatch",
     "RolloutEngine",
     "SamplingParams",
     "VLLMEngine",
+    "VLLMServerEngine",
     "build_rollout",
     "engine_options",
     "sampling_logits_processor",
