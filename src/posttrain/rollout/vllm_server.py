@@ -416,6 +416,7 @@ def start_server(settings: ServerSettings, model: nn.Module, directory: Path, se
         if code is not None:
             tail = server.log_tail()
             server.process = None
+            shutil.rmtree(directory, ignore_errors=True)  # what it logged is in the message
             key = "rollout.port" if "address already in use" in tail.lower() else "rollout.server_python"
             raise ConfigError(f"rollout=vllm_server: the vLLM server exited with code {code} before it answered; "
                               f"check {key}={python if key.endswith('python') else port!r} (it must be the python "
