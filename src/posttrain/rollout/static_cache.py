@@ -226,16 +226,17 @@ class StaticDecoder(FunctionalDecoder):
     # ------------------------------------------------------------------ CUDA graphs
 
     def capture_all(self) -> None:
-        """Capture every window's graph now (the sampler does, right after building the
-        decoder: before the first prefill, so the warm-up steps write nothing that is read)."""
+        """Capture every window's graph now. The sampler does not: it captures a window when a
+        step first needs it (``step``), so the windows inside the prompt are never captured."""
         for window in self.windows:
             if window not in self._graphs:
                 self._capture(window)
 
     def _capture(self, window: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (cuBLAS handles, the allocator) on a side stream, then capture one step at
-        this window. The warm-up steps do write one cache column (at ``column``), as a step
-        would: the counters are put back after, and the column is rewritten before it is read."""
+        this window. The warm-up steps write the cache column at ``column`` from ``tokens_in``,
+        what the step that follows writes there anyway (before a prefill: a column the prefill
+        overwrites); the counters are put back after."""
         column, rope_row = self.column.clone(), self.rope_row.clone()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -289,7 +290,5 @@ class StaticDecoders:
         decoder = StaticDecoder(model, batch, max_len, dtype=dtype, graphs=graphs)
         decoder.key = key
         decoder.model_ref = weakref.ref(model)
-        if graphs:
-            decoder.capture_all()
         self.kept.append(decoder)
         return decoder
