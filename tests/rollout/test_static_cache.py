@@ -242,6 +242,19 @@ def test_other_shapes_get_their_own_decoder_and_few_are_kept(qwen_gqa):
     assert sampler._decoders.kept == []
 
 
+def test_a_sampler_is_pickled_without_its_kept_decoders(qwen_gqa):
+    """A producer process gets the engine pickled: the kept decoders (tensors, a weak reference
+    to the model) stay behind; the copy builds its own."""
+    import pickle
+
+    sampler = FastSampler(cuda_graphs=True)
+    sampler.generate(qwen_gqa, *_ragged(48, (0, 1), 5), SamplingParams(max_new_tokens=3), 999, 0)
+    assert len(sampler._decoders.kept) == 1
+    for clone in (pickle.loads(pickle.dumps(sampler)), copy.deepcopy(sampler)):
+        assert clone.cuda_graphs is True and clone._decoders.kept == []
+    assert len(sampler._decoders.kept) == 1
+
+
 def test_the_eager_default_keeps_nothing_between_calls(qwen_gqa):
     sampler = FastSampler()  # auto: off on the CPU
     assert not sampler.uses_static_cache(torch.device("cpu"))

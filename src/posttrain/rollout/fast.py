@@ -81,6 +81,13 @@ class FastSampler:
         self._decoders = StaticDecoders()
         self._graphs_failed = False
 
+    def __getstate__(self) -> dict:
+        """Pickled or deep-copied (a producer process gets its own engine) without the kept
+        decoders: a cache, rebuilt by the first call that needs one."""
+        state = dict(self.__dict__)
+        state["_decoders"] = StaticDecoders()
+        return state
+
     def uses_functional_path(self, model: nn.Module) -> bool:
         return self.use_functional and unsupported_reason(without_adapter_wrapper(model)) is None
 
