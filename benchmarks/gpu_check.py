@@ -5,7 +5,7 @@
                                    [--json out.json]
     python benchmarks/gpu_check.py grpo-step [--shape qwen0.5b] [--rows 256] [--new-tokens 512]
                                    [--prompt-tokens 64] [--group-size 16] [--steps 2] [--precision bf16-mixed]
-                                   [--sampler-dtype bfloat16] [--micro-batch-rows 32] [--json out.json]
+                                   [--sampler-dtype bfloat16] [--micro-batch-rows 16] [--json out.json]
     python benchmarks/gpu_check.py run-summary <posttrain run dir> [--json out.json]
     python benchmarks/gpu_check.py report <dir of part JSONs> [--json all.json] [--markdown all.md]
 
@@ -200,7 +200,7 @@ def device_name(device: torch.device) -> str:
 
 def grpo_step(shape: str = "qwen0.5b", rows: int = 256, new_tokens: int = 512, prompt_tokens: int = 64,
               group_size: int = 16, steps: int = 2, precision: str = "bf16-mixed", sampler_dtype: str = "bfloat16",
-              cuda_graphs: bool | str = "auto", micro_batch_rows: int = 32, reference: bool = True,
+              cuda_graphs: bool | str = "auto", micro_batch_rows: int = 16, reference: bool = True,
               gradient_checkpointing: bool = False, device: torch.device | None = None) -> dict:
     from posttrain.core.kl import kl_penalty
     from posttrain.core.policy_loss import compute_policy_loss
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "32-true"])
     p.add_argument("--sampler-dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "true", "false"])
-    p.add_argument("--micro-batch-rows", type=int, default=32)
+    p.add_argument("--micro-batch-rows", type=int, default=16)
     p.add_argument("--no-reference", action="store_true", help="no KL term: no reference forward")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--json")

@@ -77,7 +77,7 @@ if [[ "${GPU_CHECK_TINY:-0}" == 1 ]]; then
                 data.max_response_tokens=8 eval.num_prompts=4 eval.batch_size=4)
 else
   MODEL=qwen0.5b; SIZES=(--rows 64 --new-tokens 128 --prompt-tokens 100 --group-size 8 --repeats 3)
-  STEP=(--shape qwen0.5b --rows 256 --new-tokens 512 --prompt-tokens 64 --group-size 16 --micro-batch-rows 32)
+  STEP=(--shape qwen0.5b --rows 256 --new-tokens 512 --prompt-tokens 64 --group-size 16 --micro-batch-rows 16)
   TESTS=tests/; SMOLLM2_STEPS=8; SMOLLM2_TINY=()
 fi
 

@@ -94,7 +94,7 @@ def _frequent_token(model, prompt_ids, prompt_mask, budget) -> int:
     """A token (not 0) that ends some rows early and not others: the one whose share of a
     sampled batch is nearest 1 / budget."""
     out = FastSampler(cuda_graphs=False).generate(model, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=budget),
-                                                  -1, 0, generator=torch.Generator().manual_seed(1))
+                                                  -1, 0, generator=torch.Generator(prompt_ids.device).manual_seed(1))
     freq = torch.bincount(out.response_ids.flatten(), minlength=model.config.vocab_size).double()
     freq = freq / freq.sum()
     freq[0] = float("inf")
@@ -105,7 +105,7 @@ def _stop_token(model, prompt_ids, prompt_mask, params) -> int:
     """A token (not 0) that, as the EOS, ends the rows of this call at the most different steps
     (never, for some): read off a run without an EOS."""
     out = FastSampler(cuda_graphs=False).generate(model, prompt_ids, prompt_mask, params, -1, 0,
-                                                  generator=torch.Generator().manual_seed(0))
+                                                  generator=torch.Generator(prompt_ids.device).manual_seed(0))
     budget = out.response_ids.shape[1]
     best, best_count = 1, -1
     for token in range(1, model.config.vocab_size):
@@ -124,7 +124,7 @@ def _both(model, prompt_ids, prompt_mask, params, eos, pad=0, seed=0):
     for cuda_graphs in (False, True):
         sampler = FastSampler(cuda_graphs=cuda_graphs)
         outs.append(sampler.generate(model, prompt_ids, prompt_mask, params, eos, pad,
-                                     generator=torch.Generator().manual_seed(seed)))
+                                     generator=torch.Generator(prompt_ids.device).manual_seed(seed)))
     return outs
 
 
