@@ -255,6 +255,35 @@ def test_a_sampler_is_pickled_without_its_kept_decoders(qwen_gqa):
     assert len(sampler._decoders.kept) == 1
 
 
+def test_auto_falls_back_to_the_eager_step_when_a_capture_fails(qwen_gqa, monkeypatch, caplog):
+    """rollout.cuda_graphs=auto: a failed capture is warned about once, and the call is sampled
+    again by the eager step from the same generator state (as if graphs had been off); with
+    cuda_graphs=true the error stands. (The capture is simulated: this runs on the CPU.)"""
+    from posttrain.rollout.static_cache import GraphCaptureError
+
+    def failing(*args, **kwargs):
+        torch.rand(3, generator=args[-1])  # the failed attempt had drawn from the generator
+        raise GraphCaptureError("window 128: simulated")
+
+    prompt_ids, prompt_mask = _ragged(48, (0, 2, 1), 6, seed=12)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    expected = FastSampler(cuda_graphs=False).generate(qwen_gqa, prompt_ids, prompt_mask, params, 999, 0,
+                                                       generator=torch.Generator().manual_seed(3))
+    sampler = FastSampler()
+    monkeypatch.setattr(sampler, "cuda_graphs", "auto")
+    monkeypatch.setattr(sampler, "_generate_static", failing)
+    monkeypatch.setattr(FastSampler, "uses_static_cache", lambda self, device: not self._graphs_failed)
+    with caplog.at_level("WARNING", logger="posttrain.rollout.fast"):
+        out = sampler.generate(qwen_gqa, prompt_ids, prompt_mask, params, 999, 0,
+                               generator=torch.Generator().manual_seed(3))
+    assert "capturing the decode step as a CUDA graph failed" in caplog.text
+    assert torch.equal(out.response_ids, expected.response_ids) and sampler._graphs_failed
+    strict = FastSampler(cuda_graphs=True)
+    monkeypatch.setattr(strict, "_generate_static", failing)
+    with pytest.raises(GraphCaptureError, match="simulated"):
+        strict.generate(qwen_gqa, prompt_ids, prompt_mask, params, 999, 0, generator=torch.Generator().manual_seed(3))
+
+
 def test_the_eager_default_keeps_nothing_between_calls(qwen_gqa):
     sampler = FastSampler()  # auto: off on the CPU
     assert not sampler.uses_static_cache(torch.device("cpu"))

@@ -46,7 +46,7 @@ from .base import (
     sample_next_token,
 )
 from .repetition import RepetitionDetector
-from .static_cache import StaticDecoders, pad_prompts_left, padded_prompt_width
+from .static_cache import GraphCaptureError, StaticDecoders, pad_prompts_left, padded_prompt_width
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ class FastSampler:
         """Free the decoders kept between calls (their weights, KV caches and graphs)."""
         self._decoders.clear()
 
-    def _static_decoder(self, model, prompt_ids, prompt_mask, params, pad_token_id):
-        """(decoder, its first logits) on the fixed-shape path, or None where ``auto`` could not
-        capture the graphs (warned once; the eager step then serves this sampler)."""
+    def _generate_static(self, model, prompt_ids, prompt_mask, params, eos, pad_token_id, generator):
+        """The call on the fixed-shape step (static_cache.py): prompts left-padded to the kept
+        decoder's width, its weights refreshed, replayed as graphs on CUDA."""
         device = prompt_ids.device
         graphs = device.type == "cuda"
         if not graphs and "static-eager" not in self._warned:
@@ -111,18 +111,9 @@ class FastSampler:
             log.info("rollout=fast: cuda_graphs=true on %s runs the fixed-shape decode step eagerly", device)
         width = padded_prompt_width(prompt_ids.shape[1])
         ids, mask = pad_prompts_left(prompt_ids, prompt_mask, width, pad_token_id)
-        try:
-            decoder = self._decoders.get(model, ids.shape[0], width + params.max_new_tokens, params.weights_dtype,
-                                         graphs)
-        except RuntimeError as err:
-            if self.cuda_graphs is True or not graphs:
-                raise
-            self._graphs_failed = True
-            self._decoders.clear()
-            log.warning("rollout=fast: capturing the decode step as CUDA graphs failed (%s); sampling with the "
-                        "eager step from now on (rollout.cuda_graphs=false silences this)", err)
-            return None
-        return decoder, decoder.prefill(ids, mask)
+        decoder = self._decoders.get(model, ids.shape[0], width + params.max_new_tokens, params.weights_dtype, graphs)
+        logits = decoder.prefill(ids, mask)
+        return self._sample_loop(logits, decoder.step, prompt_ids, prompt_mask, params, eos, pad_token_id, generator)
 
     @torch.inference_mode()
     def generate(
@@ -142,13 +133,22 @@ class FastSampler:
         model = without_adapter_wrapper(model)  # a LoRA policy: its adapter is read from its layers
         with eval_mode(model):
             reason = unsupported_reason(model) if self.use_functional else "use_functional=False"
-            static = None
             if reason is None and self.uses_static_cache(prompt_ids.device):
-                static = self._static_decoder(model, prompt_ids, prompt_mask, params, pad_token_id)
-            if static is not None:
-                decoder, logits = static
-                step = decoder.step
-            elif reason is None:
+                rng = generator.get_state() if generator is not None else None
+                try:
+                    return self._generate_static(model, prompt_ids, prompt_mask, params, eos, pad_token_id,
+                                                 generator)
+                except GraphCaptureError as err:
+                    if self.cuda_graphs is True:
+                        raise
+                    # auto: the eager step from now on, this call again from the same generator state
+                    self._graphs_failed = True
+                    self._decoders.clear()
+                    if rng is not None:
+                        generator.set_state(rng)
+                    log.warning("rollout=fast: capturing the decode step as a CUDA graph failed (%s); sampling "
+                                "with the eager step from now on (rollout.cuda_graphs=false silences this)", err)
+            if reason is None:
                 decoder = FunctionalDecoder(model, batch, plen + params.max_new_tokens, dtype=params.weights_dtype)
                 logits = decoder.prefill(prompt_ids, prompt_mask)
                 step = decoder.step

@@ -66,6 +66,11 @@ PROMPT_BLOCK = 64  # prompts are left-padded to a multiple of this width, so tha
 KEPT_DECODERS = 2  # decoders kept between calls (e.g. one for training batches, one for evaluation)
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode step as a CUDA graph failed (``rollout.cuda_graphs=auto`` then falls
+    back to the eager step, with a warning)."""
+
+
 def padded_prompt_width(width: int) -> int:
     return -(-width // PROMPT_BLOCK) * PROMPT_BLOCK
 
@@ -238,19 +243,24 @@ class StaticDecoder(FunctionalDecoder):
         what the step that follows writes there anyway (before a prefill: a column the prefill
         overwrites); the counters are put back after."""
         column, rope_row = self.column.clone(), self.rope_row.clone()
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.static_step(window)
-                self.column.copy_(column)
-                self.rope_row.copy_(rope_row)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self.static_step(window)
+        try:
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.static_step(window)
+                    self.column.copy_(column)
+                    self.rope_row.copy_(rope_row)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = self.static_step(window)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:
+            raise GraphCaptureError(f"window {window}: {err}") from err
         # capturing runs nothing: the counters are where the warm-up left them
         self.column.copy_(column)
         self.rope_row.copy_(rope_row)
