@@ -144,7 +144,7 @@ def test_each_row_is_one_request_with_its_own_seed():
 @pytest.fixture
 def served_config(make_config, sft_start):
     """The config of a short GRPO run of the SFT-started tiny policy through a served engine."""
-    return lambda *overrides, output_dir=None: rl_config(make_config, sft_start, *SERVED, *overrides,
+    return lambda *overrides, output_dir=None: rl_config(make_config, sft_start, "algorithm=grpo", *SERVED, *overrides,
                                                          output_dir=output_dir)
 
 

@@ -538,9 +538,9 @@ class VLLMServerEngine:
             weights = None  # pushed or not needed: free it before sampling
             answers = list(self._executor().map(self._complete, bodies))
         outputs = [SimpleNamespace(outputs=[SimpleNamespace(
-            token_ids=answer["token_ids"], finish_reason=answer["finish_reason"],
-            logprobs=[{token: SimpleNamespace(logprob=lp)} for token, lp in zip(answer["token_ids"], answer["logprobs"])],
-        )]) for answer in answers]
+            token_ids=a["token_ids"], finish_reason=a["finish_reason"],
+            logprobs=[{token: SimpleNamespace(logprob=lp)} for token, lp in zip(a["token_ids"], a["logprobs"])],
+        )]) for a in answers]
         return rollout_from_outputs(outputs, prompt_ids, prompt_mask, params.max_new_tokens, eos, pad_token_id,
                                     with_logprobs, params.repetition)
 
@@ -598,7 +598,11 @@ class VLLMServerEngine:
         with file_lock(directory / "start.lock", exclusive=True):
             server = self._running(directory, settings_key)
             if server is None:
-                server = start_server(settings, model, directory, settings_key)
+                try:
+                    server = start_server(settings, model, directory, settings_key)
+                except BaseException:
+                    shutil.rmtree(directory, ignore_errors=True)  # its log is in the error
+                    raise
         self._server = _SERVERS[key] = server
         return server
 
