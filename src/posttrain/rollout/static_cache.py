@@ -18,8 +18,8 @@ the ``end`` columns filled so far, a Python int). Here:
   ``WINDOW_BLOCK`` (the smallest one that holds the columns filled so far, capped at the
   cache's length), with the columns after ``column`` masked: one graph per window, so a
   step reads at most ``WINDOW_BLOCK - 1`` masked columns more than the eager step;
-* the cache starts zeroed, so a masked column holds finite numbers (its softmax weight is
-  exactly 0, and 0 x finite = 0; garbage could be NaN);
+* the cache is zeroed before each prefill, so a masked column holds finite numbers (its
+  softmax weight is exactly 0, and 0 x finite = 0; garbage, or another call's NaN, would not be);
 * the token goes in through a static buffer, and the logits come out of one.
 
 Sampling (``base.sample_next_token``), the EOS and repetition checks stay outside the graph,
@@ -164,6 +164,10 @@ class StaticDecoder(FunctionalDecoder):
     # ------------------------------------------------------------------ prefill
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        # a kept decoder's cache holds the last call's keys and values: zeroed, so that a masked
+        # column never carries a number (a NaN, say) from another call
+        self.k_cache.zero_()
+        self.v_cache.zero_()
         logits = super().prefill(prompt_ids, prompt_mask, all_logits)
         steps = self.step_rotation.shape[0]
         self.static_rotation[:steps].copy_(self.step_rotation)
