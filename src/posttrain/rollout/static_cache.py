@@ -14,10 +14,11 @@ the ``end`` columns filled so far, a Python int). Here:
 * the cache column written and the step's RoPE row are device tensors (``column``,
   ``rope_row``) that the step itself advances; the K/V of the new token go in with
   ``index_copy_`` at ``column``;
-* attention reads a fixed *window* of the cache, its first W columns, W a multiple of
-  ``WINDOW_BLOCK`` (the smallest one that holds the columns filled so far, capped at the
-  cache's length), with the columns after ``column`` masked: one graph per window, so a
-  step reads at most ``WINDOW_BLOCK - 1`` masked columns more than the eager step;
+* attention reads a fixed *window* of the cache, its first W columns, W a multiple of a block
+  (``WINDOW_BLOCK`` columns, wider for caches over ``MAX_WINDOWS`` blocks; the smallest
+  multiple that holds the columns filled so far, capped at the cache's length), with the
+  columns after ``column`` masked: one graph per window, so a step reads less than one block
+  of masked columns more than the eager step;
 * the cache is zeroed before each prefill, so a masked column holds finite numbers (its
   softmax weight is exactly 0, and 0 x finite = 0; garbage, or another call's NaN, would not be);
 * the token goes in through a static buffer, and the logits come out of one.
@@ -37,7 +38,10 @@ cache and the graphs' memory pool each. ``cuda_graphs=false`` holds nothing betw
 
 On a CPU (or with ``graphs=False``) the same fixed-shape step runs eagerly: the CPU tests check
 it against the eager path (tests/rollout/test_static_cache.py); the graph capture itself is
-tested on CUDA only (``-m gpu``).
+tested on CUDA only (``-m gpu``). On a CPU it is slower than the eager step (the tiny model, 64
+rows x 32 tokens, one thread: 12.0k against 15.9k tokens/s, one run on a shared machine, the
+masked columns and the wider prompt cost more than they save there), hence ``auto`` = off there.
+Not yet run on a GPU (2026-11-28): benchmarks/gpu_check.sh measures it against the eager step.
 """
 
 from __future__ import annotations
