@@ -16,9 +16,10 @@ The decode step runs eagerly (no ``torch.compile``): on the tiny CPU model a com
 costs more seconds than a whole rollout stage, and the step is already a handful of ops
 per layer. On a GPU that eager step waits on kernel launches (~20 per layer), so there
 ``cuda_graphs`` (``rollout.cuda_graphs``; auto: on for a CUDA model, off on the CPU) takes the
-fixed-shape decode step of static_cache.py and replays it as CUDA graphs, one launch per
-token. Speed against ``hf`` and the forward-only ceiling: benchmarks/rollout_speed.py; on a
-GPU, eager against graphs: benchmarks/gpu_check.sh.
+fixed-shape decode step of static_cache.py and replays it as CUDA graphs: one launch for the
+whole model per token, the sampling around it eager. Speed against ``hf`` and the forward-only
+ceiling: benchmarks/rollout_speed.py; on a GPU, eager against graphs: benchmarks/gpu_check.sh
+(not yet run on a GPU, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class FastSampler:
     """Args:
     use_functional: take the fused functional path when the architecture supports it
         (False forces the generic HF-forward loop, e.g. to compare the two).
-    cuda_graphs: ``rollout.cuda_graphs``. ``auto``: on when the model is on a CUDA device.
+    cuda_graphs: ``rollout.cuda_graphs``. ``auto``: on when the model is on a CUDA device (a
+        failed capture is warned about once and the eager step takes over).
         ``true``: the fixed-shape decode step of static_cache.py, replayed as CUDA graphs on a
         CUDA device and run eagerly on the CPU (slower there than the default step: for tests).
         ``false``: the eager ``FunctionalDecoder`` step. Only for the functional path.
