@@ -176,7 +176,7 @@ if ! $PYTHON -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
 fi
 
 # ---------------------------------------------------------------- 1. the gpu-marked tests
-timed pytest_gpu 120 $PYTHON -m pytest -m gpu -p no:cacheprovider -q -rs $TESTS
+timed pytest_gpu 120 $PYTHON -m pytest -m gpu -p no:cacheprovider -rs $TESTS  # -q is in addopts
 sed -n '/pytest_gpu: start/,/pytest_gpu: \(done\|FAILED\|TIMED\)/p' "$LOG" >"$OUT/pytest_gpu.log"
 summary=$(grep -E "[0-9]+ (passed|failed|skipped|deselected|error)" "$OUT/pytest_gpu.log" | tail -1 | tr -d '"=')
 printf '{"part": "pytest_gpu", "exit_code": %d, "summary": "%s"}\n' "${LAST_RC:-1}" "${summary:-none}" \
