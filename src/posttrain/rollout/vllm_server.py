@@ -29,8 +29,8 @@ weights travel as files.
 
 Weights and versions
 --------------------
-An engine names the weights it samples with by a fingerprint (a hash of each tensor's
-float64 sum, sum of squares and a strided sample), taken again after `policy_updated()`. The
+An engine names the weights it samples with by a fingerprint (a CRC-32 of each tensor's
+bytes), taken again after `policy_updated()`. The
 server holds one set of weights, tagged with the fingerprint of the push that loaded them.
 Every generation holds a shared file lock while it samples and checks that the server's tag
 is its own; if not, it takes the lock exclusively and pushes: the weights are written (in the
@@ -75,6 +75,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,17 +204,13 @@ def served_weights(model: nn.Module, dtype: Optional[torch.dtype]) -> dict[str, 
 
 
 def fingerprint(weights: dict[str, torch.Tensor]) -> str:
-    """A short name for a set of weights: per tensor, its name, shape, float64 sum and sum of
-    squares, and the exact bytes of every 997th element."""
+    """A short name for a set of weights: per tensor, its name, shape and dtype and a CRC-32 of
+    its bytes (0.12 s for SmolLM2-135M's 540 MB on one core; a float64 sum and sum of squares
+    took 2.5-4 s)."""
     digest = hashlib.sha1()
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            flat = tensor.reshape(-1)
-            wide = flat.double()
-            stats = torch.stack([wide.sum(), wide.square().sum()])
-            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-            digest.update(stats.numpy().tobytes())
-            digest.update(flat[::997].float().numpy().tobytes())
+    for name, tensor in weights.items():
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}{zlib.crc32(data)}".encode())
     return digest.hexdigest()[:20]
 
 
