@@ -28,8 +28,8 @@ package, converted from its GGUF once, as ``model=smollm2_135m_instruct`` loads 
 CPU smoke test).
 
 ``grpo-step``: seconds of a GRPO step of the ``--shape`` model at ``--rows`` x ``--new-tokens``:
-collect (``FastSampler.generate``, the sampler in ``--sampler-dtype``; every row runs to the
-budget, the worst case), annotate (the frozen reference's log-probs through the training forward,
+collect (``FastSampler.generate`` under the step's autocast, as Lightning runs it, the sampler's
+weights in ``--sampler-dtype``: ``rollout.dtype``; every row runs to the budget, the worst case), annotate (the frozen reference's log-probs through the training forward,
 ``models.forward.sequence_logprobs``, in micro-batches: GRPO's k3 KL term), advantages (group
 normalised random rewards: a random model is never right), update (one minibatch: the policy's
 ``sequence_logprobs`` with gradient per micro-batch, ``core`` PPO-clip loss plus 0.01 x k3 KL,
@@ -240,8 +240,9 @@ def grpo_step(shape: str = "qwen0.5b", rows: int = 256, new_tokens: int = 512, p
         sync(device)
         started = first = time.perf_counter()
         policy.eval()
-        batch = sampler.generate(policy, prompt_ids, prompt_mask, params, vocab, 0,
-                                 generator=torch.Generator(device=device).manual_seed(step))
+        with autocast:  # Lightning runs the collect stage inside training_step, under its autocast
+            batch = sampler.generate(policy, prompt_ids, prompt_mask, params, vocab, 0,
+                                     generator=torch.Generator(device=device).manual_seed(step))
         started = tick(times, "collect", started)
         tokens = int(batch.response_mask.sum())
         ref_logp = torch.zeros_like(batch.logprobs)

@@ -217,8 +217,9 @@ class StaticDecoder(FunctionalDecoder):
             out = F.linear(_unit_rms(h, layer.floor1), layer.w_qkv, layer.b_qkv)
             qk = out[:, :nqk].view(batch, hq + hkv, d)
             _rope_(qk, rotation)
-            k_cache.index_copy_(2, self.column, qk[:, hq:, None])
-            v_cache.index_copy_(2, self.column, out[:, nqk:].view(batch, hkv, 1, d))
+            # .to: under autocast the projections come out in its dtype, the cache keeps its own
+            k_cache.index_copy_(2, self.column, qk[:, hq:, None].to(k_cache.dtype))
+            v_cache.index_copy_(2, self.column, out[:, nqk:].view(batch, hkv, 1, d).to(v_cache.dtype))
             q = qk[:, :hq].reshape(batch * hkv, n_rep, d)
             keys = k_cache.view(batch * hkv, s, d)[:, :window]
             scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=self.scale)
@@ -282,7 +283,11 @@ class StaticDecoder(FunctionalDecoder):
 
 class StaticDecoders:
     """The decoders a sampler keeps between calls (``KEPT_DECODERS``, the newest last), each for
-    one (model, batch size, padded prompt width, budget, dtype, device)."""
+    one (model, batch size, padded prompt width + budget, dtype, device, autocast state).
+
+    Under autocast (``trainer.precision=bf16-mixed`` samples inside it) the captured step casts
+    each weight as the eager step does, inside the graph: the decoder's weights do not require
+    grad, so autocast's weight cache, which a replay would read after it is freed, is not used."""
 
     def __init__(self):
         self.kept: list[StaticDecoder] = []
@@ -293,7 +298,10 @@ class StaticDecoders:
     def get(self, model: nn.Module, batch: int, max_len: int, dtype: torch.dtype | None,
             graphs: bool) -> StaticDecoder:
         device = next(model.parameters()).device
-        key = (id(model), batch, max_len, dtype, str(device), graphs)
+        # a graph replays the casts autocast made at its capture (bf16-mixed samples under
+        # autocast): a decoder serves only calls under the same autocast
+        autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+        key = (id(model), batch, max_len, dtype, str(device), graphs, autocast)
         for decoder in self.kept:
             if decoder.key == key and decoder.model_ref() is model:
                 self.kept.remove(decoder)
