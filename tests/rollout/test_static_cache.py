@@ -230,6 +230,32 @@ def test_a_kept_decoder_is_reused_and_reads_the_current_weights(qwen_gqa):
     _assert_same(expected, second)
 
 
+def test_a_lora_policy_samples_alike_and_its_adapter_updates_reach_the_kept_decoder(qwen_gqa):
+    """model.lora: the fused weights hold base + adapter; a kept decoder re-fuses them each call."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(qwen_gqa), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    prompt_ids, prompt_mask = _ragged(48, (0, 2, 4), 6, seed=14)
+    params = SamplingParams(max_new_tokens=10, greedy=True)
+    eager, static = _both(model, prompt_ids, prompt_mask, params, 999)
+    _assert_same(eager, static)
+    sampler = FastSampler(cuda_graphs=True)
+    first = sampler.generate(model, prompt_ids, prompt_mask, params, 999, 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-2.0)
+    second = sampler.generate(model, prompt_ids, prompt_mask, params, 999, 0)
+    expected = FastSampler(cuda_graphs=False).generate(model, prompt_ids, prompt_mask, params, 999, 0)
+    assert not torch.equal(first.response_ids, expected.response_ids), "the update must change the rollout"
+    assert len(sampler._decoders.kept) == 1
+    _assert_same(expected, second)
+
+
 def test_other_shapes_get_their_own_decoder_and_few_are_kept(qwen_gqa):
     sampler = FastSampler(cuda_graphs=True)
     params = SamplingParams(max_new_tokens=4, greedy=True)
