@@ -395,6 +395,7 @@ def test_config_composes_and_builds_the_engine(monkeypatch):
     engine = build_rollout(cfg.rollout.engine, **engine_options(cfg.rollout))
     assert isinstance(engine, VLLMEngine)
     assert (engine.gpu_memory_utilization, engine.sleep_level, engine.logprobs_mode) == (0.5, 2, "processed_logprobs")
+    assert engine.kv_cache_gib == 1.0  # conf/rollout/vllm.yaml: the CPU engine's KV cache
     # vLLM's settings go to vLLM only (the fast engine takes its own, if any)
     assert not set(engine_options(compose_config(["rollout=fast"]).rollout)) & set(VLLMEngine.config_keys)
 

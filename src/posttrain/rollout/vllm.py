@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 # tags used below are in every release from 0.10.2 on.
 MIN_VLLM_VERSION = "0.10.2"
 SLEEP_LEVELS = (0, 1, 2)
-# The KV cache of a CPU engine when rollout.kv_cache_gib is not set: 1 GiB holds ~23k tokens of
+# The KV cache of a CPU engine when kv_cache_gib is None (conf: rollout.kv_cache_gib, 1.0): 1 GiB holds ~23k tokens of
 # SmolLM2-135M in fp32 (46 KiB a token), ~340k of the embedded tiny model; vLLM queues the
 # requests that do not fit. VLLM_CPU_KVCACHE_SPACE (whole GiB, vLLM's own variable) overrides it.
 CPU_KV_CACHE_GIB = 1.0
