@@ -78,6 +78,7 @@ RULES: tuple[Rule, ...] = (
     data.digit_range_is_ordered,
     run.eval_split_has_data,
     data.dataset_columns_are_named,
+    data.reasoning_gym_tasks_are_known,
     data.curriculum_has_what_it_reads,
     rewards.a_reward_model_path_needs_the_reward_model_component,
     rewards.a_constraint_reads_a_weightless_component,

@@ -12,6 +12,7 @@ from posttrain.data.code_tasks import FAMILIES
 from posttrain.data.curriculum import CURRICULA
 from posttrain.data.hub import REQUIRED_COLUMNS
 from posttrain.data.preference import embedded_heads_problem
+from posttrain.data.reasoning_gym import ANSWER_FORMATS, TASK_KEYS, task_problems
 from posttrain.data.sources import SOURCES, TRUNCATE_OPTIONS
 from posttrain.data.templates import TEMPLATES
 from posttrain.data.word_problems import OPERATIONS
@@ -56,7 +57,21 @@ DATA_SPECS: dict[str, Spec] = {
     "data.template": choice(*TEMPLATES).about("how a question is asked"),
     "data.chat": boolean().about("true: prompts as chat messages, rendered with the model's chat template"),
     "data.verify_timeout_s": POSITIVE.about("seconds per answer check; longer counts as wrong"),
+    "data.tasks": Spec(lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list of reasoning-gym task names "
+                       f"or mappings with keys {list(TASK_KEYS)}"),
+    "data.size": integer(1).about("reasoning-gym: training examples per task"),
+    "data.heldout_size": integer(0).about("reasoning-gym: examples per task in each held-out split"),
+    "data.answer_format": choice(*ANSWER_FORMATS).about("reasoning-gym: tags: <answer>...</answer>; hash: #### ..."),
+    "data.correct_threshold": number(0, 1, low_open=True).about("reasoning-gym: the least score_answer that is correct"),
 }
+
+
+@rule
+def reasoning_gym_tasks_are_known(v: Values):
+    """Each entry of data.tasks names a reasoning-gym task, with known keys and config fields its config accepts."""
+    if v.get("data.source") == "reasoning_gym":
+        problems, _ = task_problems(v["data.tasks"], v["data.size"], v["data.heldout_size"], v["data.seed"])
+        yield from problems
 
 
 @rule
@@ -105,9 +120,13 @@ def curriculum_has_what_it_reads(v: Values):
         yield (f"data_curriculum.low={v['data_curriculum.low']} is larger than "
                f"data_curriculum.high={v['data_curriculum.high']}; expected low <= high (the band of pass rates kept)")
     if name == "difficulty_schedule":
-        if v.get("data.source") not in ("arithmetic", "word_problems"):
-            yield ("data_curriculum=difficulty_schedule raises the task's difficulty, which only data=arithmetic "
-                   f"and data=word_problems have (data.source={v.get('data.source')!r})")
+        if v.get("data.source") not in ("arithmetic", "word_problems", "reasoning_gym"):
+            yield ("data_curriculum=difficulty_schedule raises the task's difficulty, which only data=arithmetic, "
+                   f"data=word_problems and data=reasoning_gym have (data.source={v.get('data.source')!r})")
+        tasks = v.get("data.tasks") if v.get("data.source") == "reasoning_gym" else None
+        if isinstance(tasks, list) and not any(isinstance(t, dict) and t.get("level") is not None for t in tasks):
+            yield ("data_curriculum=difficulty_schedule raises the level of the reasoning-gym tasks that set one, and "
+                   "no entry of data.tasks does: give a task a starting level, e.g. {name: chain_sum, level: 0}")
         if not v.get("data_curriculum.milestones") and v.get("data_curriculum.accuracy_threshold") is None:
             yield ("data_curriculum=difficulty_schedule needs data_curriculum.milestones or "
                    "data_curriculum.accuracy_threshold, or it never changes anything")

@@ -3,8 +3,9 @@
 A source hands out `Example`s by (split, index) and judges generated responses. Kinds:
 `arithmetic` (generated, endless, verifiable), `word_problems` (generated GSM8K-shaped stories,
 data/word_problems.py), `code_tasks` (generated Python functions with unit tests, scored in the
-sandbox by env=code: data/code_tasks.py), `jsonl` (your files), and the datasets-backed `gsm8k`,
-`math` and `prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet).
+sandbox by env=code: data/code_tasks.py), `reasoning_gym` (the reasoning-gym package's task
+generators, each scored by its own scorer: data/reasoning_gym.py), `jsonl` (your files), and the
+datasets-backed `gsm8k`, `math` and `prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from posttrain.data.code_tasks import build_code_task_source
 from posttrain.data.examples import Example, ListSource, PromptLimits
 from posttrain.data.guess_number import build_guess_number_source
 from posttrain.data.hub import build_hub_source
+from posttrain.data.reasoning_gym import build_reasoning_gym_source
 from posttrain.data.steps import StepRule
 from posttrain.data.templates import check_messages, last_user_content
 from posttrain.data.word_problems import WordProblemSource, build_word_problem_source
@@ -212,7 +214,8 @@ def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = N
     return examples
 
 
-SOURCES = ("arithmetic", "word_problems", "guess_number", "code_tasks", "jsonl", "gsm8k", "math", "prompt_answer")
+SOURCES = ("arithmetic", "word_problems", "guess_number", "code_tasks", "reasoning_gym", "jsonl", "gsm8k", "math",
+           "prompt_answer")
 
 
 def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
@@ -231,6 +234,8 @@ def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
         source = build_guess_number_source(data_cfg)
     elif data_cfg.source == "code_tasks":
         source = build_code_task_source(data_cfg)
+    elif data_cfg.source == "reasoning_gym":
+        source = build_reasoning_gym_source(data_cfg)
     elif data_cfg.source == "jsonl":
         source = JsonlSource(dict(data_cfg.files))
     elif data_cfg.source in SOURCES:
