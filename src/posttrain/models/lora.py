@@ -13,7 +13,9 @@ Three things follow from the policy carrying an adapter:
 - a role that copies the policy (`roles.critic`, a reference with its own `init_from`) copies
   the base without the adapter (`copy_without_adapter`);
 - the export (`export_model`) writes the adapter and the tokenizer (PEFT's layout), or with
-  `export_merged` the merged full model, the adapter beside it in `adapter/`.
+  `export_merged` the merged full model, the adapter beside it in `adapter/`; the merged model
+  (`merged_copy`, also what rollout=vllm samples from) has an untied LM head when an adapter
+  sits on a head tied to the input embeddings.
 """
 
 from __future__ import annotations
@@ -135,8 +137,43 @@ def reference_model(policy: nn.Module, reference: nn.Module | None):
 
 def merged_copy(model: nn.Module) -> nn.Module:
     """A plain Hugging Face model whose weights are ``model``'s base plus its adapter's update
-    (a copy: the training module keeps its adapter)."""
-    return copy.deepcopy(model).merge_and_unload()
+    (a copy: the training module keeps its adapter), computing what ``model`` computes.
+
+    With tied embeddings and an adapter on the LM head (or on the input embeddings) the policy's
+    head is the shared matrix plus the head's update while its input embeddings are the shared
+    matrix alone: merging into the shared matrix would change both. The copy is untied first
+    (`untie_adapted_embeddings`), so each merges its own update and the copy's config says
+    tie_word_embeddings=false: what the export writes and what vLLM is built from and synced with."""
+    merged = copy.deepcopy(model)
+    untie_adapted_embeddings(merged)
+    return merged.merge_and_unload()
+
+
+def untie_adapted_embeddings(model: nn.Module) -> bool:
+    """Untie ``model``'s (a PEFT model's) input and output embeddings in place when they share
+    one weight and either carries an adapter: the LM head gets its own copy of the weight and
+    the config (and its text config) tie_word_embeddings=false. True when it untied them; the
+    model computes the same either way (the adapter's forward reads the weight, not the tie)."""
+    base = model.get_base_model()
+    try:
+        inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    if inputs is None or outputs is None:
+        return False
+    plain_inputs, plain_outputs = getattr(inputs, "base_layer", inputs), getattr(outputs, "base_layer", outputs)
+    adapted = plain_inputs is not inputs or plain_outputs is not outputs
+    if not adapted or plain_outputs.weight is not plain_inputs.weight:
+        return False  # nothing merges into a shared weight: the merged copy stays tied, as the policy is
+    shared = plain_outputs.weight
+    plain_outputs.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+    text_config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    for config in {id(c): c for c in (base.config, text_config)}.values():
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
+    if hasattr(base, "all_tied_weights_keys"):  # transformers >= 5 keeps the mapping computed at init
+        base.all_tied_weights_keys = base.get_expanded_tied_weights_keys(all_submodels=True)
+    return True
 
 
 def export_model(model: nn.Module, tokenizer, directory: Path, model_cfg) -> None:
