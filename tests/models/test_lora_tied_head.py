@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.data.sources import build_source
+from posttrain.errors import CheckpointError
 from posttrain.models.loading import load_tokenizer_and_model
 from posttrain.models.lora import export_model, merged_copy
 
@@ -148,3 +149,17 @@ def test_cli_grpo_with_an_adapter_on_the_tied_head_exports_the_trained_policy(ma
     print(f"CLI export vs the checkpoint's policy: max |logit difference| {difference:.2e}")
     assert difference < 1e-5
     assert exported.config.tie_word_embeddings is False
+
+
+def test_an_untied_export_into_a_tied_model_is_refused_naming_the_key(make_config, tmp_path):
+    # the untied export must not go into a tied model through init_from: the head and the input
+    # embeddings would share one parameter, the last tensor loaded silently winning
+    cfg, tokenizer, policy = adapted_policy(make_config, HEAD)
+    export_model(policy, tokenizer, tmp_path / "hf_model", cfg.model)
+    tied = make_config(f"model.init_from={tmp_path / 'hf_model'}")
+    with pytest.raises(CheckpointError, match=r"model.init_from=.*model.tie_word_embeddings=false"):
+        load_tokenizer_and_model(tied.model, build_source(tied.data).alphabet)
+    untied = make_config(f"model.init_from={tmp_path / 'hf_model'}", "model.tie_word_embeddings=false")
+    _, loaded = load_tokenizer_and_model(untied.model, build_source(untied.data).alphabet)
+    ids = some_inputs(loaded)
+    assert max_logit_difference(loaded.eval(), policy, ids) < 1e-5

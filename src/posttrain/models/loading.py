@@ -262,12 +262,26 @@ def load_initial_weights(model, init_from: str, key: str = "model.init_from") ->
         if not state:
             raise CheckpointError(f"{key}={init_from!r} holds no 'policy.*' weights")
     check_shapes(model, state, key, init_from)
+    check_tied_head(model, state, key, init_from)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied heads are not stored twice
     if missing or unexpected:
         raise CheckpointError(
             f"{key}={init_from!r} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
+
+
+def check_tied_head(model, state: dict, key: str, init_from: str) -> None:
+    """Weights with an LM head of their own (a LoRA export merged into a tied head is untied:
+    models/lora.py) cannot go into a model whose head is its input embedding: one parameter
+    would take both tensors, the last one loaded silently winning."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head, embedding = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if head is not None and embedding is not None and not torch.equal(head, embedding):
+        raise CheckpointError(f"{key}={init_from!r} has an LM head apart from its input embeddings (an untied "
+                              f"model, e.g. a merged LoRA export of a tied head), but this model ties them: set "
+                              f"model.tie_word_embeddings=false (or load the directory by model.name_or_path)")
 
 
 def check_same_family(model, directory: Path, key: str, init_from: str) -> None:
