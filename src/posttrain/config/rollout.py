@@ -66,7 +66,7 @@ SPECS: dict[str, Spec] = {
                                                     "$POSTTRAIN_VLLM_PYTHON, else this interpreter"),
     "rollout.host": text().about("where a started server listens"),
     "rollout.port": optional(integer(1, 65535)).about("null: a free port"),
-    "rollout.kv_cache_gib": POSITIVE.about("the server's KV cache in GiB (on the CPU, host memory)"),
+    "rollout.kv_cache_gib": POSITIVE.about("vLLM's KV cache in GiB: the server's (vllm_server), a CPU engine's (vllm)"),
     "rollout.max_num_seqs": integer(1).about("sequences the server decodes at once"),
     "rollout.startup_timeout_s": POSITIVE.about("seconds to wait for a started server to answer"),
     "rollout.server_env": mapping("{VLLM_CPU_OMP_THREADS_BIND: '0-1'}").about("extra environment of the server"),
