@@ -37,7 +37,7 @@ def build_rollout(name: str, **kwargs) -> RolloutEngine:
 
 def engine_options(rollout_cfg) -> dict:
     """The settings of the ``rollout`` config node that the chosen engine's constructor takes
-    (its ``config_keys``; the fast and hf engines take none)."""
+    (its ``config_keys``: the fast engine's ``cuda_graphs``, vLLM's engine settings; hf takes none)."""
     engine = ALL_ROLLOUT_ENGINES.get(rollout_cfg.engine)
     return {key: rollout_cfg[key] for key in getattr(engine, "config_keys", ()) if key in rollout_cfg}
 
