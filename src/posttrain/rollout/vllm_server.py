@@ -389,7 +389,9 @@ def start_server(settings: ServerSettings, model: nn.Module, directory: Path, se
         (directory / stale).unlink(missing_ok=True)
     model_dir = directory / "model"
     model_dir.mkdir(exist_ok=True)
-    export_model_config(model, str(model_dir))
+    # the config of the model whose weights are pushed: a LoRA policy merged (a LoRA-adapted
+    # tied head comes out untied, tie_word_embeddings=false: models/lora.py:merged_copy)
+    export_model_config(plain_policy(model), str(model_dir))
     shutil.copyfile(SERVE_SCRIPT, directory / f"{SERVE_MODULE}.py")
     env = dict(os.environ)
     env.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"})
