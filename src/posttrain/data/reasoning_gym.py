@@ -313,10 +313,23 @@ def score(predicted: str | None, packed: str) -> float:
         return 0.0
 
 
-def passes(predicted: str | None, reference: str) -> bool:
+def _passes(predicted: str | None, reference: str) -> bool:
     """The AnswerChecker's check (run in its worker): `reference` is JSON [threshold, packed entry]."""
     threshold, packed = json.loads(reference)
     return score(predicted, packed) >= threshold
+
+
+# The worker finds its check as `passes` of this module, through the module's __getattr__, which
+# imports reasoning-gym first: the import (a second or more on a busy machine) then happens while
+# the worker starts, outside every check's time limit, also in a worker restarted after a timeout.
+_passes.__qualname__ = _passes.__name__ = "passes"
+
+
+def __getattr__(name: str):
+    if name == "passes":
+        reasoning_gym()
+        return _passes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- the source -------------------------------------------------------------------------------
@@ -364,7 +377,7 @@ class ReasoningGymSource:
         self.tasks, self.heldout_seed, self.answer_format = list(tasks), heldout_seed, answer_format
         self.chat, self.correct_threshold = chat, float(correct_threshold)
         self.instruction = ANSWER_FORMATS[answer_format]
-        self.checker = AnswerChecker(verify_timeout_s, check=passes)
+        self.checker = AnswerChecker(verify_timeout_s, check=_passes)
         self.task = Difficulty()
         self.prompt_limits = PromptLimits()
         self.step_rule = None  # build_source sets data.step_separators' rule, if any
