@@ -61,6 +61,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from posttrain.errors import ConfigError
 from posttrain.models.lora import has_adapter, merged_copy
@@ -137,7 +138,7 @@ def load_policy_weights(llm, weights: list[tuple[str, torch.Tensor]], on_cpu: bo
     The one place that reaches into vLLM's internals.  On the CPU (``on_cpu``) vLLM repacks the
     linear layers' weights for its kernels when it loads them, so the model's ``load_weights``
     cannot write into them again ("'Parameter' object has no attribute 'weight_loader'"); the
-    worker's ``reload_weights`` (vLLM >= 0.11) reloads from checkpoint-format weights and repacks
+    worker's ``reload_weights`` (tested with vLLM 0.32) reloads from checkpoint-format weights and repacks
     them, through ``collective_rpc`` (in-process: no copy).  On a GPU, vLLM >= 0.10.2 (the V1 engine):
     ``LLM.apply_model(fn)`` runs ``fn`` on the model of each worker; in-process (the build
     sets VLLM_ENABLE_V1_MULTIPROCESSING=0) the tensors are handed over without a copy to
@@ -167,9 +168,6 @@ def export_model_config(model: nn.Module, directory: str) -> None:
     EOS ids of the model's generation config (else of config.json) to every request's stop ids,
     so a row could end at an id the call did not ask to stop at; with it, the call's stop ids
     are the only ones."""
-    # optional: transformers is imported by the models anyway; here only for the export
-    from transformers import GenerationConfig
-
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.dtype = next(model.parameters()).dtype
