@@ -131,18 +131,39 @@ def test_the_hash_format_asks_for_and_reads_its_marker():
 # --- examples, splits, determinism ------------------------------------------------------------------
 
 def test_an_example_asks_the_question_and_keeps_its_task():
-    built = source(tasks="[{name: basic_arithmetic, size: 5, heldout_size: 2}, {name: chain_sum, size: 5}]")
+    built = source("data.shots=0", tasks="[{name: basic_arithmetic, size: 5, heldout_size: 2}, {name: chain_sum, size: 5}]")
     entry = gym.create_dataset("chain_sum", seed=0, size=1)[0]
     example = built.example("train", 7)  # after basic_arithmetic's 5
     assert isinstance(example, TaskExample) and example.task == "chain_sum"
     assert example.messages == [{"role": "user", "content": example.prompt}]
     assert example.prompt.endswith("\nGive your final answer between <answer> and </answer>.")
     assert example.response == f"<answer>{example.answer}</answer>" and entry["question"].split(":")[0] in example.prompt
-    plain = source("data.chat=false", tasks="[chain_sum]").example("train", 0)
+    plain = source("data.chat=false", "data.shots=0", tasks="[chain_sum]").example("train", 0)
     assert plain.messages is None and plain.prompt.endswith("</answer>.\n")
     # held-out prompts take the tasks in turn
     assert [built.example("validation", i).task for i in range(4)] == ["basic_arithmetic", "chain_sum"] * 2
     assert built.size("train") == 10 and built.size("validation") == built.size("test") == 2 + 32
+
+
+def test_worked_examples_come_before_the_question_fixed_for_every_run():
+    """data.shots: earlier turns of the same task with their answers in the format (the yaml's 1),
+    drawn with the held-out seed, never a held-out question."""
+    tasks = "[{name: chain_sum, size: 10, heldout_size: 4}, {name: spell_backward, size: 10, heldout_size: 4}]"
+    built, other_seed = source("data.shots=2", tasks=tasks), source("data.shots=2", "seed=3", tasks=tasks)
+    held_out = {built.example(split, i).prompt for split in ("validation", "test") for i in range(8)}
+    for split in SPLITS:
+        for i in range(built.size(split)):
+            example = built.example(split, i)
+            *shots, question = example.messages
+            assert [m["role"] for m in shots] == ["user", "assistant"] * 2 and question["content"] == example.prompt
+            for ask, answer in zip(shots[0::2], shots[1::2]):
+                assert ask["content"] not in held_out and ask["content"] != example.prompt
+                assert re.fullmatch(r"<answer>.+</answer>", answer["content"])
+                assert ask["content"].split(" ")[0] == example.prompt.split(" ")[0]  # the same task
+            if split != "train":
+                assert example == other_seed.example(split, i)
+    plain = source("data.chat=false", tasks=tasks).example("test", 0)
+    assert plain.messages is None and plain.prompt.count("<answer>") == 3  # the shot's answer and 2 instructions
 
 
 def test_examples_are_a_pure_function_of_the_seeds():
@@ -272,7 +293,7 @@ def test_two_grpo_steps_through_the_cli_on_the_embedded_model(tmp_path):
     a short answer budget, no warm start (a random policy: the steps run, accuracy stays near 0)."""
     command = [sys.executable, "-m", "posttrain.train", "algorithm=grpo", "data=reasoning_gym",
                "data.tasks=[{name: chain_sum, size: 40}, {name: basic_arithmetic, size: 20, config: {max_terms: 3}}]",
-               "data.heldout_size=2", "data.chat=false", "data.max_response_tokens=16", "algorithm.warm_start.steps=0",
+               "data.heldout_size=2", "data.chat=false", "data.shots=0", "data.max_response_tokens=16", "algorithm.warm_start.steps=0",
                "algorithm.prompts_per_step=2", "algorithm.group_size=2", "logger=none", "callbacks.progress_bar=none",
                "trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.checkpoint.every_n_train_steps=2",
                "eval.num_prompts=4", "eval.batch_size=4", "eval.at_start=false", f"paths.log_dir={tmp_path}"]

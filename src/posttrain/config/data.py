@@ -35,7 +35,7 @@ DATA_SPECS: dict[str, Spec] = {
     "data.max_turns": integer(1).about("guess_number: the episode's turns (env.max_turns reads it)"),
     "data.operations": list_of(choice(*OPERATIONS)).about("word problems: the operations a step may use"),
     "data.distractors": number(0, 1).about("word problems: share of stories with an irrelevant sentence"),
-    "data.shots": integer(0).about("word problems: worked examples before the question"),
+    "data.shots": integer(0).about("word problems, reasoning-gym: worked examples before the question"),
     "data.families": optional(list_of(choice(*FAMILIES))).about("code tasks: the task families drawn; null: all"),
     "data.step_separators": optional(list_of(pattern(r"(?s).+", "a non-empty string"))).about("process rewards: a step ends at each token holding one"),
     "data.max_response_tokens": integer(1).about("generation budget in tokens"),

@@ -20,7 +20,8 @@ An `Example` of the source:
     response  the reference answer in that format, e.g. ``<answer>42</answer>`` (the SFT target;
               empty for the few tasks with no single reference answer, e.g. rush_hour)
     answer    the reference answer as text (None where the task has none)
-    messages  the prompt as one user message, with `data.chat`
+    messages  the prompt as one user message, with `data.chat`; after `data.shots` worked
+              examples of the same task as earlier user and assistant turns (plain text: before it)
     task      the task's name (a `TaskExample` field, for per-task metrics)
     entry     the reasoning-gym entry the scorer reads (pickled, base64 text)
 
@@ -58,6 +59,7 @@ import json
 import logging
 import os
 import pickle
+import random
 from dataclasses import dataclass
 
 from posttrain.core.options import MAX_SEED
@@ -89,6 +91,7 @@ HASH_ORDER_TASKS = ("isomorphic_strings", "knight_swap", "polynomial_multiplicat
 # Draws a stream may take per example it must keep before the task is declared unable to
 # give that many (held-out: distinct questions; training: questions not held out).
 DRAWS_PER_EXAMPLE, EXTRA_DRAWS = 4, 64
+SHOT_POOL = 16  # worked examples per task that data.shots draws from
 
 
 def reasoning_gym():
@@ -356,7 +359,7 @@ class ReasoningGymSource:
     difficulty_knob = "level"
 
     def __init__(self, tasks: list[TaskSpec], heldout_seed: int = 0, answer_format: str = "tags", chat: bool = True,
-                 correct_threshold: float = 1.0, verify_timeout_s: float = 5.0):
+                 correct_threshold: float = 1.0, verify_timeout_s: float = 5.0, shots: int = 0):
         if answer_format not in ANSWER_FORMATS:
             raise ConfigError(f"data.answer_format={answer_format!r} is not one of {sorted(ANSWER_FORMATS)} (tags: "
                               f"<answer>...</answer>; hash: '#### ' and the answer)")
@@ -368,6 +371,9 @@ class ReasoningGymSource:
                               f"is correct when its task's score_answer is at least this)")
         if not tasks:
             raise ConfigError("data.tasks is empty: name at least one reasoning-gym task")
+        if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
+            raise ConfigError(f"data.shots={shots!r} must be a whole number >= 0 (worked examples before the question)")
+        self.shots = shots
         unstable = sorted({s.name for s in tasks} & set(HASH_ORDER_TASKS))
         if unstable and os.environ.get("PYTHONHASHSEED") in (None, "random"):
             log.warning(f"reasoning-gym's {', '.join(unstable)} draw(s) examples in the order of Python's string "
@@ -385,6 +391,7 @@ class ReasoningGymSource:
         self._heldout_questions: dict[int, set[str]] = {}
         self._excluded: set[str] | None = None  # every task's held-out questions
         self._train: dict[int, list[TaskExample]] = {}
+        self._shots: dict[int, list[TaskExample]] = {}
         self._starts = [0]  # training index where each task's examples start
         for spec in self.tasks:
             self._starts.append(self._starts[-1] + spec.size)
@@ -424,7 +431,32 @@ class ReasoningGymSource:
     def example(self, split: str, index: int) -> TaskExample:
         task, k = self._place(split, index)
         examples = self._training(task) if split == "train" else self._held_out(task)[split]
-        return dataclasses.replace(examples[k])  # a copy: the datamodule may set prompt_ids on it
+        example = dataclasses.replace(examples[k])  # a copy: the datamodule may set prompt_ids on it
+        return self._with_shots(example, task, split, index) if self.shots else example
+
+    def _with_shots(self, example: TaskExample, task: int, split: str, index: int) -> TaskExample:
+        """`example` after `shots` worked examples of its task (earlier user and assistant turns, or
+        question and answer before the question in plain text), drawn by (split, index) from the
+        task's shot pool: the same in every run, never a held-out question."""
+        pool = [e for e in self._shot_pool(task) if e.entry != example.entry]
+        rng = random.Random(f"reasoning_gym/shots/{self.heldout_seed}/{split}/{index}")
+        shots = rng.sample(pool, min(self.shots, len(pool)))
+        if self.chat:
+            turns = [turn for shot in shots for turn in (*shot.messages, {"role": "assistant", "content": shot.response})]
+            return dataclasses.replace(example, messages=[*turns, *example.messages])
+        text = "".join(f"{shot.prompt}{shot.response}\n" for shot in shots)
+        return dataclasses.replace(example, prompt=text + example.prompt)
+
+    def _shot_pool(self, task: int) -> list[TaskExample]:
+        """Up to SHOT_POOL examples with a reference answer, of a stream of their own drawn with the
+        held-out seed at the task's starting level, without held-out questions."""
+        if task not in self._shots:
+            spec = self.tasks[task]
+            excluded = self.heldout_questions()
+            config, entries = self._stream(spec, spec.level, "shots", self.heldout_seed, SHOT_POOL + EXTRA_DRAWS)
+            self._shots[task] = [self._make(spec, config, entry) for entry in entries
+                                 if entry.get("answer") is not None and entry["question"] not in excluded][:SHOT_POOL]
+        return self._shots[task]
 
     # -- drawing
 
@@ -526,6 +558,8 @@ class ReasoningGymSource:
             for index in range(self.size(split)):
                 e = self.example(split, index)
                 chars.update(e.prompt, e.response, e.answer or "")
+        for task in range(len(self.tasks) if self.shots else 0):
+            chars.update(*(e.prompt + e.response for e in self._shot_pool(task)))
         tags = ANSWER_TAG_TOKENS if self.answer_format == "tags" else ()
         return (*sorted(chars), *tags)
 
@@ -563,4 +597,4 @@ def build_reasoning_gym_source(data_cfg) -> ReasoningGymSource:
     """The source of a `data=reasoning_gym` config node."""
     tasks = parse_tasks(data_cfg.tasks, data_cfg.size, data_cfg.heldout_size, data_cfg.seed)
     return ReasoningGymSource(tasks, data_cfg.validation_seed, data_cfg.answer_format, data_cfg.chat,
-                              data_cfg.correct_threshold, data_cfg.verify_timeout_s)
+                              data_cfg.correct_threshold, data_cfg.verify_timeout_s, data_cfg.shots)
