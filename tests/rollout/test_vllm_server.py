@@ -247,6 +247,27 @@ class TestServed:
         steps = [m for m in metrics if "episode/turns" in m]
         assert steps and all(m["rollout/mismatch/abs_log_ratio_max"] < 1e-3 for m in steps)
 
+    def test_two_ddp_ranks_share_one_server(self, sft_start, tmp_path):
+        """Under torchrun both ranks sample through one server (one directory, one start), each
+        with its own requests; their weights are the same, so one push serves both."""
+        from conftest import TORCHRUN
+
+        overrides = ["trainer=ddp", "algorithm=grpo", f"model.init_from={sft_start}", *EASY_TASK, *SERVED,
+                     "algorithm.prompts_per_step=2", "algorithm.group_size=4", "trainer.max_steps=2",
+                     "trainer.val_check_interval=2", "eval.num_prompts=32", "eval.batch_size=32", "eval.at_start=false",
+                     "logger=csv", "callbacks.progress_bar=none", f"hydra.run.dir={tmp_path}/run",
+                     f"paths.cache_dir={tmp_path}/cache"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        result = subprocess.run([*TORCHRUN, "-m", "posttrain.train", *overrides], capture_output=True, text=True,
+                                env=env, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        output = result.stdout + result.stderr
+        assert output.count("vLLM serves at") == 1, output[-3000:]
+        metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        steps = [m for m in metrics if "rollout/mismatch/kl" in m]
+        assert len(steps) == 2 and all(m["rollout/mismatch/abs_log_ratio_max"] < 1e-3 for m in steps)
+        assert not list(shared_root().glob("posttrain-vllm-ddp-*"))  # stopped with the job
+
     def test_the_server_goes_with_a_trainer_killed_by_sigkill(self, sft_start, tmp_path):
         overrides = [*FAST_RUN, *EASY_TASK, *SERVED, f"model.init_from={sft_start}", "algorithm=grpo",
                      "algorithm.prompts_per_step=2", "algorithm.group_size=2", "trainer.max_steps=100000",
