@@ -42,11 +42,11 @@ ONLINE_CONTEXT = ("algorithm=grpo",)
 REFUSED = {("advantage", "prm_step"): "process reward model",
            ("reward", "reward_model"): "needs exactly one of path"}  # which reward model: the user's
 # Options that need hardware or packages this machine may lack, with what their refusal names.
-GPU_ONLY = {("rollout", "vllm"): "rollout=vllm needs a CUDA GPU and the vllm package"}
-if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
-    CONTEXT[("rollout", "vllm")] = ("trainer=default",)
-else:
+GPU_ONLY = {("rollout", "vllm"): "rollout=vllm needs vLLM"}
+if importlib.util.find_spec("vllm") is None:
     REFUSED.update(GPU_ONLY)
+elif torch.cuda.is_available():  # vLLM's GPU build with a GPU trainer (its CPU build: the default trainer=cpu)
+    CONTEXT[("rollout", "vllm")] = ("trainer=default",)
 
 
 def options(group: str) -> list[str]:

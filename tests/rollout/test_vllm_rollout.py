@@ -10,7 +10,6 @@ real vLLM's CPU build is tested in test_vllm_real.py (marker `vllm`, in the vLLM
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 import time
@@ -374,11 +373,14 @@ def test_missing_or_old_vllm_is_a_config_error(monkeypatch, fake_vllm):
 # ----------------------------------------------------------------------------- config
 
 
-def pretend_machine(monkeypatch, cuda: bool, vllm: bool) -> None:
+def pretend_machine(monkeypatch, cuda: bool, vllm: bool | str) -> None:
+    """A machine with or without CUDA, and vLLM's GPU build (vllm=True or "cuda"), its CPU build
+    ("cpu") or none (False)."""
+    import posttrain.config.rollout as rollout_rules
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: (object() if vllm else None) if name == "vllm" else real_find_spec(name, *a))
+    device = {True: "cuda", False: None}.get(vllm, vllm)
+    monkeypatch.setattr(rollout_rules, "installed_vllm_device", lambda: device)
 
 
 def checked(*overrides):
@@ -400,18 +402,35 @@ def test_config_composes_and_builds_the_engine(monkeypatch):
     assert not set(engine_options(compose_config(["rollout=fast"]).rollout)) & set(VLLMEngine.config_keys)
 
 
-@pytest.mark.parametrize("cuda,vllm,lacks", [(False, False, "a CUDA GPU and the vllm package"),
-                                             (True, False, "the vllm package"), (False, True, "a CUDA GPU")])
-def test_config_refuses_a_machine_without_cuda_or_vllm(monkeypatch, cuda, vllm, lacks):
+@pytest.mark.parametrize("cuda,vllm,message", [
+    (False, False, r"rollout=vllm needs vLLM: .*\(scripts/vllm_cpu_env.sh"),
+    (True, False, "rollout=vllm needs vLLM: "),
+    (False, "cuda", "the vllm package needs a CUDA GPU, which this machine lacks: .* vLLM's CPU build"),
+    (True, "cpu", "vLLM's CPU build .* would train on the GPU: use trainer=cpu"),
+])
+def test_config_refuses_a_machine_without_the_right_vllm(monkeypatch, cuda, vllm, message):
     pretend_machine(monkeypatch, cuda=cuda, vllm=vllm)
-    with pytest.raises(ConfigError, match=f"rollout=vllm needs a CUDA GPU and the vllm package .* lacks {lacks}:"):
+    with pytest.raises(ConfigError, match=message):
         checked("rollout=vllm")
 
 
+def test_config_takes_vllms_cpu_build_with_a_cpu_trainer(monkeypatch):
+    """vllm-cpu on a machine without CUDA: rollout=vllm with trainer=cpu (the default trainer)."""
+    pretend_machine(monkeypatch, cuda=False, vllm="cpu")
+    cfg = compose_config(["algorithm=grpo", "rollout=vllm", "rollout.kv_cache_gib=0.5"])
+    OmegaConf.resolve(cfg)
+    check_config(cfg, {})
+    engine = build_rollout(cfg.rollout.engine, **engine_options(cfg.rollout))
+    assert engine.kv_cache_gib == 0.5
+
+
 def test_config_refuses_on_this_machine_as_it_is():
-    if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+    from posttrain.rollout.vllm import installed_vllm_device
+
+    device = installed_vllm_device()
+    if device == "cpu" or (device == "cuda" and torch.cuda.is_available()):
         pytest.skip("this machine can run rollout=vllm")
-    with pytest.raises(ConfigError, match="rollout=vllm needs a CUDA GPU and the vllm package"):
+    with pytest.raises(ConfigError, match="rollout=vllm needs vLLM|needs a CUDA GPU"):
         checked("rollout=vllm")
 
 

