@@ -20,6 +20,10 @@ class Example:
     # A chat prompt ([system], user, ...): rendered with the tokenizer's chat template where
     # token ids are made (datamodule.prompt_text); `prompt` then holds the question as text.
     messages: list[dict] | None = None
+    # Which source or task it came from, for metrics per source (`rollout/<source>/accuracy`,
+    # `eval/<source>/accuracy`) and routing: a mixture's source name, a reasoning-gym task's
+    # name. None: one undivided source.
+    source: str | None = None
 
 
 @dataclass(frozen=True)

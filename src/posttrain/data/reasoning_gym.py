@@ -481,7 +481,7 @@ class ReasoningGymSource:
         messages = [{"role": "user", "content": text}] if self.chat else None
         prompt = text if self.chat else f"{text}\n"
         return TaskExample(prompt, reference_response(answer, self.answer_format), answer, messages=messages,
-                           task=spec.name, entry=pack(spec.name, config, entry))
+                           source=spec.name, task=spec.name, entry=pack(spec.name, config, entry))
 
     def _held_out(self, task: int) -> dict[str, list[TaskExample]]:
         """The task's validation and test examples: distinct questions of its held-out stream, alternately."""
