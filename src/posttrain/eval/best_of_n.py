@@ -29,6 +29,7 @@ import torch
 from rich.table import Table
 
 from posttrain import core
+from posttrain.core.eval_metrics import shared_answer_verdicts
 from posttrain.data.steps import source_step_rule
 from posttrain.errors import ConfigError
 from posttrain.rewards.prm import ORACLE_SCORES, ProcessRewardModel, check_prm_dir, pad_steps
@@ -173,26 +174,12 @@ def best_of_n_accuracies(judged: Judged, sizes: list[int], seed: int = 0) -> dic
         for how, scores in judged.prm.items():
             results[f"bon/prm_{how}@{n}"] = float(core.best_of_n_expected_accuracy(scores, correct, n).mean())
         results[f"bon/majority@{n}"] = float(core.majority_vote_expected_accuracy(
-            judged.answers, answer_verdicts(judged.answers, correct), n, generator=generator).mean())
+            judged.answers, shared_answer_verdicts(judged.answers, correct), n, generator=generator).mean())
         if judged.orm is not None:
             results[f"bon/orm@{n}"] = float(core.best_of_n_expected_accuracy(judged.orm, correct, n).mean())
         results[f"bon/oracle@{n}"] = float(core.pass_at_k(num_samples, correct.sum(dim=1), n).mean())
         results[f"bon/random@{n}"] = float(correct.mean())
     return results
-
-
-def answer_verdicts(answers: list[list[str | None]], correct: torch.Tensor) -> torch.Tensor:
-    """[P, N] correctness of each response's final answer, the same for every response that gave
-    it: the share of those responses the verifier judged right. Responses with one answer can
-    be judged differently (a verifier that timed out on one of them); a majority vote is then
-    right by the expectation over which of its responses' verdicts it takes. Where they agree,
-    this is their verdict; a response without an answer keeps its own (it casts no vote)."""
-    verdicts = correct.to(torch.float64).clone()
-    for p, row in enumerate(answers):
-        for answer in {a for a in row if a is not None}:
-            same = [i for i, other in enumerate(row) if other == answer]
-            verdicts[p, same] = verdicts[p, same].mean()
-    return verdicts
 
 
 def best_of_n_table(results: dict[str, float], sizes: list[int], title: str):
