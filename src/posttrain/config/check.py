@@ -28,13 +28,14 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from posttrain.config import advantage, algorithm, data, env, kl_estimator, models, numerics, rewards, roles, rollout, run
+from posttrain.config import (advantage, algorithm, data, env, kl_estimator, models, numerics, rewards, roles, rollout, run,
+                              verifiers)
 from posttrain.config.dry_run import dry_run_problems
 from posttrain.config.spec import MISSING, Rule, Spec, Unusable, Values
 from posttrain.errors import ConfigError
 
 # The files that say what the keys of conf/ accept, one a config group (or top-level node).
-GROUP_FILES = (run, roles, models, algorithm, rollout, data, kl_estimator, advantage, rewards, numerics, env)
+GROUP_FILES = (run, roles, models, algorithm, rollout, data, kl_estimator, advantage, rewards, numerics, env, verifiers)
 
 
 def gather_specs() -> dict[str, Spec]:
@@ -77,8 +78,10 @@ RULES: tuple[Rule, ...] = (
     kl_estimator.kl_term_is_placed_and_controlled,
     data.digit_range_is_ordered,
     run.eval_split_has_data,
+    run.eval_suites_are_well_formed,
     data.dataset_columns_are_named,
     data.reasoning_gym_tasks_are_known,
+    data.mixture_sources_are_valid,
     data.curriculum_has_what_it_reads,
     rewards.a_reward_model_path_needs_the_reward_model_component,
     rewards.a_constraint_reads_a_weightless_component,
@@ -101,6 +104,7 @@ RULES: tuple[Rule, ...] = (
     rollout.vllm_server_can_run,
     env.env_options_fit_the_environment,
     env.an_episode_fits_its_turn,
+    verifiers.verifiers_data_and_environment_go_together,
 )
 
 

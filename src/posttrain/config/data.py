@@ -5,17 +5,25 @@ rules that each source has what it reads."""
 
 from __future__ import annotations
 
-from posttrain.config.spec import (POSITIVE, PROBABILITY, SEED, Spec, Values, boolean, choice, integer, list_of, number,
-                                   optional, pattern, rule, text)
+import re
+
+from omegaconf import OmegaConf
+
+from posttrain.config.spec import (MISSING, POSITIVE, PROBABILITY, SEED, Spec, Unusable, Values, boolean, choice,
+                                   integer, list_of, number, optional, pattern, rule, text)
 from posttrain.data.arithmetic import STYLES
 from posttrain.data.code_tasks import FAMILIES
 from posttrain.data.curriculum import CURRICULA
 from posttrain.data.hub import REQUIRED_COLUMNS
+from posttrain.data.mixture import mixture_weights, source_data_config, source_key
 from posttrain.data.preference import embedded_heads_problem
 from posttrain.data.reasoning_gym import ANSWER_FORMATS, TASK_KEYS, task_problems
 from posttrain.data.sources import SOURCES, TRUNCATE_OPTIONS
 from posttrain.data.templates import TEMPLATES
 from posttrain.data.word_problems import OPERATIONS
+from posttrain.errors import ConfigError
+from posttrain.rewards import build_reward
+from posttrain.rewards.mixture import source_reward_config
 
 
 # --- data -------------------------------------------------------------------------------
@@ -63,6 +71,10 @@ DATA_SPECS: dict[str, Spec] = {
     "data.heldout_size": integer(0).about("reasoning-gym: examples per task in each held-out split"),
     "data.answer_format": choice(*ANSWER_FORMATS).about("reasoning-gym: tags: <answer>...</answer>; hash: #### ..."),
     "data.correct_threshold": number(0, 1, low_open=True).about("reasoning-gym: the least score_answer that is correct"),
+    # one value: its sources' keys are checked by mixture_sources_are_valid, each as data.<key> alone
+    "data.mixture": Spec(lambda v: isinstance(v, dict) and len(v) > 0,
+                         "a non-empty mapping of source names to {weight, data, reward}").about(
+        "data=mixture: the sources, e.g. {sums: {weight: 1, data: {source: arithmetic}}}"),
 }
 
 
@@ -94,6 +106,78 @@ def dataset_columns_are_named(v: Values):
     for key in REQUIRED_COLUMNS.get(source, ()):
         if v.get(f"data.columns.{key}") is None:
             yield f"data.source={source} reads data.columns.{key}, which is null; name the column that holds it"
+
+
+# The data rules that read one source's keys, run on each source of a mixture.
+SOURCE_RULES = (reasoning_gym_tasks_are_known, digit_range_is_ordered, dataset_columns_are_named)
+
+
+@rule
+def mixture_sources_are_valid(v: Values):
+    """data=mixture: each source's keys, weight, data node (its kind's keys and values, and the
+    data rules, as that source alone would have them) and reward override."""
+    if v.get("data.source") != "mixture":
+        return
+    mixture = v["data.mixture"]
+    try:
+        mixture_weights(mixture)
+    except ConfigError as err:
+        yield str(err)
+        return
+    for name, entry in mixture.items():
+        try:
+            node = source_data_config(name, entry.get("data"), v["data.seed"])
+        except ConfigError as err:
+            yield str(err)
+            continue
+        yield from source_data_problems(name, OmegaConf.to_container(node, resolve=True), v.choices)
+        if entry.get("reward") is not None and v.get("reward") is not None:
+            try:
+                reward = source_reward_config(v["reward"], entry["reward"], name)
+            except ConfigError as err:  # names the key itself
+                yield str(err)
+                continue
+            try:
+                build_reward(reward, None, v["rollout.max_new_tokens"])
+            except ConfigError as err:
+                yield f"{source_key(name, 'reward')}: {err}"
+
+
+def source_data_problems(name: str, data: dict, choices: dict) -> list[str]:
+    """The problems of source `name`'s data node, named data.mixture.<name>.data.<key>."""
+    values = {f"data.{key}": value for key, value in flattened(data).items()}
+    problems, bad = [], set()
+    for key, value in values.items():
+        spec = DATA_SPECS.get(key)
+        if spec is None:
+            problems.append(f"{key}: unknown key")
+            bad.add(key)
+        elif value is not MISSING and not spec.accepts(value):
+            problems.append(f"{key}={value!r} is not valid: expected {spec.expected}")
+            bad.add(key)
+        elif value is MISSING:
+            problems.append(f"{key} has no value (???): expected {spec.expected}")
+            bad.add(key)
+    source_values = Values({"data": data, **values}, bad, choices)
+    for check in SOURCE_RULES:
+        try:
+            problems.extend(check(source_values))
+        except Unusable:
+            continue
+    # each message names the key of the mixture's node, not the data node the source would have alone
+    return [re.sub(r"\bdata\.(?!mixture\.)", f"{source_key(name, 'data')}.", problem) for problem in problems]
+
+
+def flattened(node: dict, prefix: str = "") -> dict:
+    """A data node's keys, dotted (data.files.train), down to the keys with a spec of their own."""
+    flat = {}
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and f"data.{path}" not in DATA_SPECS:
+            flat.update(flattened(value, f"{path}."))
+        else:
+            flat[path] = MISSING if value == "???" else value
+    return flat
 
 
 # --- data_curriculum --------------------------------------------------------------------

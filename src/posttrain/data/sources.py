@@ -4,8 +4,9 @@ A source hands out `Example`s by (split, index) and judges generated responses. 
 `arithmetic` (generated, endless, verifiable), `word_problems` (generated GSM8K-shaped stories,
 data/word_problems.py), `code_tasks` (generated Python functions with unit tests, scored in the
 sandbox by env=code: data/code_tasks.py), `reasoning_gym` (the reasoning-gym package's task
-generators, each scored by its own scorer: data/reasoning_gym.py), `jsonl` (your files), and the
-datasets-backed `gsm8k`, `math` and `prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet).
+generators, each scored by its own scorer: data/reasoning_gym.py), `jsonl` (your files), the
+datasets-backed `gsm8k`, `math` and `prompt_answer` (data/hub.py: hub names or local json/jsonl/parquet),
+and `mixture` (several of these by weight, each example judged by its own: data/mixture.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from posttrain.data.code_tasks import build_code_task_source
 from posttrain.data.examples import Example, ListSource, PromptLimits
 from posttrain.data.guess_number import build_guess_number_source
 from posttrain.data.hub import build_hub_source
+from posttrain.data.mixture import MixtureSource, build_mixture_source
 from posttrain.data.reasoning_gym import build_reasoning_gym_source
 from posttrain.data.steps import StepRule
+from posttrain.data.verifiers_source import build_verifiers_source
 from posttrain.data.templates import check_messages, last_user_content
 from posttrain.data.word_problems import WordProblemSource, build_word_problem_source
 from posttrain.errors import ConfigError, DataError
@@ -215,10 +218,10 @@ def read_jsonl_examples(path: Path, key: str, line_numbers: list[int] | None = N
 
 
 SOURCES = ("arithmetic", "word_problems", "guess_number", "code_tasks", "reasoning_gym", "jsonl", "gsm8k", "math",
-           "prompt_answer")
+           "prompt_answer", "mixture", "verifiers")
 
 
-def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
+def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource | MixtureSource:
     """The task source named by ``data.source``, with its prompt-length limits (checked
     against the tokenizer and the model's context by the datamodule)."""
     limits = prompt_limits(data_cfg)
@@ -238,6 +241,10 @@ def build_source(data_cfg) -> ArithmeticSource | WordProblemSource | ListSource:
         source = build_reasoning_gym_source(data_cfg)
     elif data_cfg.source == "jsonl":
         source = JsonlSource(dict(data_cfg.files))
+    elif data_cfg.source == "verifiers":  # a verifiers environment's tasks (env=verifiers plays them)
+        source = build_verifiers_source(data_cfg)
+    elif data_cfg.source == "mixture":  # each of its sources built by this function from its own data node
+        source = build_mixture_source(data_cfg, build_source)
     elif data_cfg.source in SOURCES:
         source = build_hub_source(data_cfg)
     else:

@@ -21,10 +21,12 @@ from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from posttrain.data.mixture import MixtureSource
 from posttrain.errors import ConfigError, RewardError
 from posttrain.rewards.base import RewardFunction, ScoredSample
 from posttrain.rewards.components import REWARD_FUNCTIONS
 from posttrain.rewards.composite import ON_ERROR_MODES, CompositeReward
+from posttrain.rewards.mixture import MixtureReward, build_mixture_reward
 from posttrain.run.user_components import TARGET, check_options, import_function
 
 # path / paths: the reward model preset's shorthands (reward.path=<dir>), read by its component;
@@ -56,13 +58,18 @@ class TargetReward:
 
 
 def build_reward(reward_cfg: DictConfig, source, max_new_tokens: int, *, policy=None,
-                 tokenizer=None) -> CompositeReward:
+                 tokenizer=None) -> CompositeReward | MixtureReward:
     """The composite reward the `reward` config describes.
 
     `source` is the task source the rewards will judge with (kept for scorers that need to
     know it when built); `max_new_tokens` is the generation budget, the default `max_len`
     of `overlong`; `policy` and `tokenizer` go to the built-ins that declare them (RUN_PARAMS).
+    A mixture of sources (data=mixture) gets each source's samples scored by that source's own
+    reward, with that source (rewards/mixture.py).
     """
+    if isinstance(source, MixtureSource):
+        return build_mixture_reward(reward_cfg, source, lambda cfg: build_reward(
+            cfg, None, max_new_tokens, policy=policy, tokenizer=tokenizer))
     cfg = OmegaConf.to_container(reward_cfg, resolve=True) if isinstance(reward_cfg, DictConfig) else dict(reward_cfg)
     unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
     if unknown:
