@@ -36,6 +36,9 @@ class Experience:
     # [B] the score of reward.constraint's cost component (out of `scores`): the trainer adds it,
     # times its own lambda, since the reward stage may run in a producer process that holds no lambda
     cost: torch.Tensor | None = None
+    # [B] long, each row's source: its index in the task source's `source_names` (data=mixture),
+    # for the metrics per source (rollouts.py); None with one undivided source
+    source_index: torch.Tensor | None = None
     # --- with an environment (envs/): a trajectory of several turns ---
     env_mask: torch.Tensor | None = None       # [B, T] float, 1 = the environment's token: read, never trained on
     turn_rewards: torch.Tensor | None = None   # [B, T] each turn's weighted reward at the turn's last token

@@ -285,6 +285,9 @@ class Collector:
             experience.step_rewards, experience.step_mask = rewards.to(self.device), ends.to(self.device)
         if self.cost_component is not None:  # weighted 0, so not in `scores`: the trainer adds it with its lambda
             experience.cost = scored.components[self.cost_component].to(self.device)
+        names = getattr(self.source, "source_names", None)
+        if names:  # a mixture of sources (data/mixture.py): each row's, for the metrics per source
+            experience.source_index = torch.tensor([names.index(e.source) for e in examples], device=self.device)
         return experience, scored.metrics
 
     def stop_at_low_prm_steps(self, batch, samples, step_ends):
