@@ -73,8 +73,10 @@ def test_a_call_without_arguments_has_empty_arguments():
      "error: the tool call is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
     ("<tool_call>\n</tool_call>",
      'error: the tool call is empty; write {"name": <tool name>, "arguments": {...}}'),
-    ('<tool_call>["calculator", "3*4"]</tool_call>',
-     'error: the tool call must be a JSON object {"name": <tool name>, "arguments": {...}}, got an array'),
+    ('<tool_call>"calculator(3*4)"</tool_call>',
+     'error: the tool call must be a JSON object {"name": <tool name>, "arguments": {...}}, got a string'),
+    ('<tool_call>[3]</tool_call>',
+     'error: the tool call must be a JSON object {"name": <tool name>, "arguments": {...}}, got a number'),
     ('<tool_call>{"arguments": {"expression": "3*4"}}</tool_call>',
      'error: the tool call has no "name"; write {"name": <tool name>, "arguments": {...}}'),
     ('<tool_call>{"name": 3, "arguments": {}}</tool_call>',
@@ -90,6 +92,19 @@ def test_each_malformed_call_is_a_malformed_call_with_its_error(text, error):
     calls = parse_tool_calls(text, ["calculator", "python"])
     assert len(calls) == 1 and isinstance(calls[0], MalformedCall)
     assert calls[0].error == error
+
+
+def test_smollm2s_array_of_calls_is_one_call_per_element():
+    """SmolLM2's function-calling format: the turn's calls as one JSON array in one block; each
+    element is judged on its own, and an empty array is no call."""
+    text = ('<tool_call>[\n{"name": "calculator", "arguments": {"expression": "48 + 27"}},\n'
+            '{"name": "search", "arguments": {}}\n]</tool_call>')
+    first, second = parse_tool_calls(text, ["calculator"])
+    assert first == ToolCall("calculator", {"expression": "48 + 27"},
+                             '{"name": "calculator", "arguments": {"expression": "48 + 27"}}')
+    assert second == MalformedCall("error: unknown tool 'search'; the tools are: calculator",
+                                   '{"name": "search", "arguments": {}}')
+    assert parse_tool_calls("<tool_call>[]</tool_call>", ["calculator"]) == []
 
 
 def test_an_unclosed_call_before_another_is_malformed_and_the_next_still_parsed():

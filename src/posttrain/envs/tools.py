@@ -1,4 +1,4 @@
-"""Tool calls and the built-in tools, in the convention of Qwen2.5, SmolLM2 and Hermes.
+"""Tool calls and the built-in tools, in the Hermes convention of Qwen2.5 (and SmolLM2's arrays of calls).
 
 The policy calls a tool by writing a JSON object inside `<tool_call>` tags (one or several per
 turn):
@@ -6,6 +6,9 @@ turn):
     <tool_call>
     {"name": "calculator", "arguments": {"expression": "3*4"}}
     </tool_call>
+
+or, as SmolLM2's function-calling data writes them, a JSON array of such objects in one block
+(`<tool_call>[{"name": ...}, {"name": ...}]</tool_call>`: each element a call; `[]`: none).
 
 and reads each result as a chat message of role "tool" (its chat template renders it). The
 system prompt lists the tools as JSON function signatures in a `<tools></tools>` block
@@ -80,22 +83,32 @@ def parse_tool_calls(text: str, tools: Iterable[str] | None = None) -> list[Tool
             calls.append(MalformedCall(f"error: {OPEN} is not closed by {CLOSE}", text[body_start:stop].strip()))
             start = following
             continue
-        calls.append(_parse_call(text[body_start:end].strip(), known))
+        calls.extend(_parse_block(text[body_start:end].strip(), known))
         start = text.find(OPEN, end + len(CLOSE))
     return calls
 
 
-def _parse_call(body: str, known: list[str] | None) -> ToolCall | MalformedCall:
-    shape = f'{{"name": <tool name>, "arguments": {{...}}}}'
+CALL_SHAPE = '{"name": <tool name>, "arguments": {...}}'
+
+
+def _parse_block(body: str, known: list[str] | None) -> list[ToolCall | MalformedCall]:
+    """The calls of one block: a JSON object is one call, a JSON array of objects one call each."""
     if not body:
-        return MalformedCall(f"error: the tool call is empty; write {shape}", body)
+        return [MalformedCall(f"error: the tool call is empty; write {CALL_SHAPE}", body)]
     try:
-        call = json.loads(body)
+        value = json.loads(body)
     except json.JSONDecodeError as e:
-        return MalformedCall(f"error: the tool call is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
-                             body)
+        return [MalformedCall(f"error: the tool call is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
+                              body)]
     except RecursionError:
-        return MalformedCall("error: the tool call is not valid JSON (nested too deeply)", body)
+        return [MalformedCall("error: the tool call is not valid JSON (nested too deeply)", body)]
+    if isinstance(value, list):  # SmolLM2's convention: the calls of a turn as one array
+        return [_parse_call(item, json.dumps(item, ensure_ascii=False), known) for item in value]
+    return [_parse_call(value, body, known)]
+
+
+def _parse_call(call, body: str, known: list[str] | None) -> ToolCall | MalformedCall:
+    shape = CALL_SHAPE
     if not isinstance(call, dict):
         return MalformedCall(f"error: the tool call must be a JSON object {shape}, got {_json_type(call)}", body)
     name = call.get("name")
