@@ -1,8 +1,9 @@
 """The collect stage as the trainer sees it: who collects (this process, or a producer process
 up to rollout.max_staleness policy versions ahead: producer.py), and what the ranks must agree
 on once a batch is consumed — the pre-filter accuracy curricula read, whether any rank has a
-learning signal, the budget counters (rollout/samples_seen, rollout/tokens_seen), and how
-stale the batch's tokens are. The collector itself (collect.py) takes no collective.
+learning signal, the budget counters (rollout/samples_seen, rollout/tokens_seen), how stale
+the batch's tokens are, and with a mixture of sources (data=mixture) each source's metrics
+(`source_metrics`). The collector itself (collect.py) takes no collective.
 """
 
 from __future__ import annotations
@@ -55,11 +56,13 @@ class Rollouts:
         # rollout batches trained on
         self.samples_seen = 0
         self.tokens_seen = 0
+        self.source_names: tuple[str, ...] = ()  # a mixture's sources (data=mixture): metrics per source
 
     def build(self, sampler: PolicySampler, tokenizer, source, curriculum, reward_fn, settings: CollectSettings,
               device) -> None:
         rank, world = rank_and_world()
         self.device = device
+        self.source_names = tuple(getattr(source, "source_names", None) or ())
         self.collector = Collector(sampler, tokenizer, source, curriculum, reward_fn, settings, rank=rank,
                                    world=world, device=device, rounds_agree=any_rank_needs)
         if self.kind == "inline":
@@ -112,6 +115,8 @@ class Rollouts:
         if not math.isnan(correct_sum):
             metrics["rollout/prefilter_accuracy"] = correct_sum / rows
         has_signal = bool(all_reduce_sum(torch.tensor(float(produced.kept_any), device=self.device)) > 0)
+        if self.source_names:
+            metrics.update(source_metrics(exp, self.source_names))
         return exp, metrics, has_signal
 
     def staleness_metrics(self, exp: Experience, step: int, generate_s: list[float],
@@ -173,4 +178,25 @@ def rollout_metrics(exp: Experience) -> dict[str, float]:
         metrics["rollout/prm_stop_frac"] = float(exp.prm_stopped.float().mean())
     if not torch.isnan(exp.correct).any():
         metrics["rollout/accuracy"] = float(exp.correct.mean())
+    return metrics
+
+
+def source_metrics(exp: Experience, names: tuple[str, ...]) -> dict[str, float]:
+    """`rollout/<source>/count`, `reward_mean` and `accuracy` of a mixture's sources (data=mixture),
+    over every rank's rows of the batch as trained on. The ranks hold different examples, so each
+    reduces the same [sources, 3] sums — reward, correct, rows — whose names come from the config,
+    not from its own rows: every rank logs the same keys. A source without rows in the batch logs
+    its count (0) alone; without an accuracy reward there is no accuracy (NaN on every rank)."""
+    sums = torch.zeros(len(names), 3, dtype=torch.float64, device=exp.scores.device)
+    index = exp.source_index.to(sums.device)
+    sums[:, 0].index_add_(0, index, exp.scores.double())
+    sums[:, 1].index_add_(0, index, exp.correct.double())
+    sums[:, 2].index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
+    metrics = {}
+    for name, (reward, correct, rows) in zip(names, all_reduce_sum(sums).tolist()):
+        metrics[f"rollout/{name}/count"] = rows
+        if rows:
+            metrics[f"rollout/{name}/reward_mean"] = reward / rows
+            if not math.isnan(correct):
+                metrics[f"rollout/{name}/accuracy"] = correct / rows
     return metrics
