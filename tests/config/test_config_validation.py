@@ -34,6 +34,7 @@ CONTEXT = {
     ("model", "hf"): ("model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct",),
     ("data", "jsonl"): ("data.files.train=train.jsonl", "data.files.validation=validation.jsonl"),
     ("data", "prompt_answer"): ("data.path=prompts.jsonl",),
+    ("data", "verifiers"): ("algorithm=grpo", "env=verifiers", "env.load=my_env", "reward=environment"),
     ("algorithm", "opd"): ("roles.teacher.init_from=policy",),   # a teacher: here a copy of the policy
     ("algorithm", "kdrl"): ("roles.teacher.init_from=policy",),
 }
