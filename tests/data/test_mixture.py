@@ -24,7 +24,7 @@ from posttrain.rewards import build_reward
 from posttrain.rewards.base import ScoredSample
 
 from forked_cli import run_command
-from conftest import compose_config
+from conftest import compose_config, module_from_config
 
 
 def write_jsonl(path, rows):
@@ -102,6 +102,20 @@ def test_a_resumed_stream_continues_every_source_without_loss_or_repeat(tmp_path
         resumed = ExampleCursor(build_source(sums_and_words(tmp_path)), "train", 0, position=first.position,
                                 rank=rank, world_size=world_size)
         assert before + [(e.source, e.prompt) for e in resumed.take(m)] == expected
+
+
+def test_the_online_modules_prompts_resume_from_its_checkpointed_state(make_config):
+    """What a killed GRPO run keeps (the curriculum's state in the checkpoint) brings a new module
+    back to the same place in the mixture's stream: 10 prompts, a restart, 14 more are the 24
+    prompts of an uninterrupted run."""
+    cfg = make_config("data=mixture", "algorithm=grpo", "algorithm.warm_start.steps=0")
+    expected = [(e.source, e.prompt) for e in module_from_config(cfg).curriculum.next_prompts(24)]
+    killed = module_from_config(cfg).curriculum
+    before = [(e.source, e.prompt) for e in killed.next_prompts(10)]
+    resumed = module_from_config(cfg).curriculum
+    resumed.load_state_dict(killed.state_dict())
+    assert before + [(e.source, e.prompt) for e in resumed.next_prompts(14)] == expected
+    assert {source for source, _ in expected} == {"two_digit", "three_digit"}
 
 
 def test_a_drawn_example_is_a_copy_tagged_with_its_source(tmp_path):
