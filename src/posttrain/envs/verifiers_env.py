@@ -40,6 +40,7 @@ import contextlib
 import inspect
 import json
 import math
+import threading
 from collections.abc import Mapping
 
 from posttrain.data.examples import Example
@@ -124,7 +125,7 @@ class VerifiersEnvironment(Environment):
         self.correct_threshold = float(correct_threshold)
         self.taskset = self.loaded.taskset
         self.task_type = type(self.taskset).task_type()
-        self.loop = asyncio.new_event_loop()
+        self.loops = threading.local()  # an event loop per thread that plays episodes (a producer thread has its own)
         probe = next(iter(self.taskset.take(1)), None)
         if probe is None:
             raise ConfigError(f"env.load={load!r}: the taskset has no tasks")
@@ -167,6 +168,14 @@ class VerifiersEnvironment(Environment):
 
     def start(self, example: Example) -> VerifiersEpisode:
         return VerifiersEpisode(self, example)
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """This thread's loop, on which its episodes' runs wait between turns."""
+        loop = getattr(self.loops, "loop", None)
+        if loop is None:
+            loop = self.loops.loop = asyncio.new_event_loop()
+            loop.set_exception_handler(quiet_about_dropped_episodes)
+        return loop
 
     def check(self) -> None:
         if self.tools and not all(callable(tool.method) for tool in self.tools.values()):
@@ -211,7 +220,8 @@ class VerifiersEpisode:
         self.reported: dict[str, float] = {}       # the scores earlier replies reported (their sum)
         self.reported_total = 0.0                  # the weighted sum earlier replies reported
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0}
-        self.run = env.loop.create_task(self.play())
+        self.loop = env.event_loop()
+        self.run = self.loop.create_task(self.play())
         self.drive()
 
     def add(self, message, sampled: bool = False) -> None:
@@ -233,7 +243,7 @@ class VerifiersEpisode:
         """The policy's next turn's text (or CUT), as `step` gives it."""
         if self.cut:
             return CUT
-        self.asked = self.env.loop.create_future()
+        self.asked = self.loop.create_future()
         self.asking.set()
         return await self.asked
 
@@ -247,7 +257,7 @@ class VerifiersEpisode:
     def drive(self) -> None:
         """Run the environment until it waits for the policy's turn or its run is over."""
         self.asking.clear()
-        self.env.loop.run_until_complete(self.until_asked_or_over())
+        self.loop.run_until_complete(self.until_asked_or_over())
         if self.run.done() and self.run.exception() is not None:
             error = self.run.exception()
             if isinstance(error, (ConfigError, RewardError)):
@@ -269,7 +279,7 @@ class VerifiersEpisode:
                 self.answer(CUT)
         done = self.run.done()
         observation = [] if done else [as_chat(node.message) for node in self.trace.nodes[self.reply_start:]]
-        total, scores = self.env.loop.run_until_complete(self.score())
+        total, scores = self.loop.run_until_complete(self.score())
         metrics = {**scores, **(self.counts if self.env.tools else {})}
         # each reply reports the change, so the episode's sums are the scores of its transcript as it ended
         changes = {name: value - self.reported.get(name, 0.0) for name, value in metrics.items()}
@@ -308,6 +318,13 @@ class VerifiersEpisode:
                         metrics[f"metric_{name}"] = float(value)
         total = sum(score * weight for score, weight in weighted.values())
         return total, {**{f"rubric_{name}": score for name, (score, _) in weighted.items()}, **metrics}
+
+
+def quiet_about_dropped_episodes(loop, context) -> None:
+    """An episode the collector stops reading before its run is over (the episode's token budget
+    spent) is dropped with its run still waiting for a turn; that is expected, not an error."""
+    if "Task was destroyed but it is pending" not in context.get("message", ""):
+        loop.default_exception_handler(context)
 
 
 def as_chat(message) -> dict:
