@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from torch.distributed.tensor import DTensor
 
+from posttrain.algorithms.eval_suites import build_suites, suites_metrics, suites_sums
 from posttrain.core import calibration_bins, calibration_error, pass_at_k, reliability
 from posttrain.data.datamodule import collate_prompts
 from posttrain.data.panel import panel_examples
@@ -76,15 +77,17 @@ class Scored:
 
 
 def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingParams,
-                       generator: torch.Generator | None = None) -> Scored:
+                       generator: torch.Generator | None = None, source=None) -> Scored:
     """One response per prompt row of `batch` (from `collate_prompts`), judged by the task's
-    verifier. Held-out evaluation, its pass@k and `posttrain-eval` all score through here, so
-    their numbers mean the same thing. With an environment each row is an episode (`play_and_score`)."""
+    verifier (`source`'s: an evaluation suite's; None: the module's). Held-out evaluation, its
+    pass@k, the suites and `posttrain-eval` all score through here, so their numbers mean the
+    same thing. With an environment each row is an episode (`play_and_score`)."""
+    source = module.source if source is None else source
     if getattr(module, "env", None) is not None:
-        return play_and_score(module, batch, params, generator)
+        return play_and_score(module, batch, params, generator, source)
     rollout = module.generate(batch["prompt_ids"], batch["prompt_mask"], params, generator=generator)
     texts = decode_responses(module.tokenizer, rollout.response_ids, rollout.response_mask)
-    correct = [float(module.source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
+    correct = [float(source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
     # the response's probability under the policy (at the sampler's log-prob temperature: 1 for
     # greedy), from the log-probs generation already returns (0 on padding): no extra forward.
     # The clamp only removes float rounding above 1.
@@ -93,10 +96,10 @@ def generate_and_score(module: "PosttrainModule", batch: dict, params: SamplingP
 
 
 def play_and_score(module: "PosttrainModule", batch: dict, params: SamplingParams,
-                   generator: torch.Generator | None = None) -> Scored:
+                   generator: torch.Generator | None = None, source=None) -> Scored:
     """An episode per example of `batch` with the module's environment, turn after turn, each
     generate call over the episodes under way; judged by the environment's verdict where it gives
-    one, else by the task's verifier on the last turn. The ranks make the same number of calls
+    one, else by the task's (`source`'s, None: the module's) verifier on the last turn. The ranks make the same number of calls
     (under FSDP each is a collective): a rank whose episodes have ended joins with a stand-in."""
     episodes = Episodes(module.env, module.tokenizer, Budget(params.max_new_tokens, module.turn_tokens,
                                                              module.env.max_turns),
@@ -111,7 +114,8 @@ def play_and_score(module: "PosttrainModule", batch: dict, params: SamplingParam
         for i, trajectory in enumerate(active):
             episodes.extend(trajectory, rollout, i, version=0)
     ended = [outcome(t, module.tokenizer) for t in trajectories]
-    correct = [float(o.correct) if o.correct is not None else float(module.source.is_correct(t.example, o.final))
+    source = module.source if source is None else source
+    correct = [float(o.correct) if o.correct is not None else float(source.is_correct(t.example, o.final))
                for t, o in zip(trajectories, ended)]
     return Scored([marked_text(o.transcript) for o in ended], correct,
                   [float(t.policy_mask().sum()) for t in trajectories], [t.truncated for t in trajectories],
@@ -272,6 +276,8 @@ class PosttrainModule(L.LightningModule):
     eval_seed: int = 0
     eval_calibration_bins: int = 10  # equal-width confidence bins of eval/ece and its reliability diagram
     panel: tuple = ()  # the prompt panel's examples (data/panel.py); empty: no panel
+    eval_suites: tuple = ()  # the evaluation suites (eval_suites.py), evaluated after the held-out prompts
+    eval_rows_per_call: int = 256  # eval.batch_size: rows per generate call of a suite
     panel_dir: Path | None = None
     panel_batch_size: int = 256  # panel prompts per generate call
 
@@ -281,7 +287,8 @@ class PosttrainModule(L.LightningModule):
         greedy responses as the table `eval/samples` (W&B) and as `samples_dir`/step<N>.jsonl;
         `eval/pass@k` for each k of `pass_k` from `num_samples` responses per prompt sampled at
         `temperature` (rollout top_p / top_k), with a generator seeded from `seed`; the prompt
-        panel (`panel`: size, seed, file) answered into `panel_dir`/batch<N>.jsonl."""
+        panel (`panel`: size, seed, file) answered into `panel_dir`/batch<N>.jsonl; the
+        evaluation suites (`suites`, eval_suites.py), built and checked here."""
         pass_k = [int(k) for k in (eval_cfg.get("pass_k") or [])]
         num_samples, temperature = eval_cfg.get("num_samples", 1), eval_cfg.get("temperature", 1.0)
         if any(k > num_samples for k in pass_k):
@@ -295,6 +302,9 @@ class PosttrainModule(L.LightningModule):
         self.eval_pass_k, self.eval_num_samples, self.eval_seed = tuple(pass_k), num_samples, seed
         self.eval_sampling = SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=temperature,
                                             top_p=self.rollout_cfg.top_p, top_k=self.rollout_cfg.top_k)
+        self.eval_suites = tuple(build_suites(eval_cfg, self.source, self.tokenizer, seed, self.rollout_cfg.top_p,
+                                              self.rollout_cfg.top_k))
+        self.eval_rows_per_call = eval_cfg.get("batch_size", self.eval_rows_per_call)
         if panel_dir is not None:
             panel = eval_cfg.get("panel") or {}
             self.panel = tuple(panel_examples(self.source, eval_cfg.get("split", "validation"), panel.get("size", 0),
@@ -307,6 +317,7 @@ class PosttrainModule(L.LightningModule):
         self._eval_counts: list[torch.Tensor] = []  # per prompt: correct responses of eval_num_samples
         self._eval_correct, self._eval_lengths, self._eval_confidence = [], [], []
         self._eval_episodes: list[dict] = []  # with an environment: each held-out episode's counts
+        self._eval_by_source: dict[str, list[float]] = {}  # Example.source -> [correct, prompts]
         if self.eval_pass_k:
             # the same draws at every eval (each rank its own), and training's random state untouched
             rank, world = rank_and_world()
@@ -330,6 +341,10 @@ class PosttrainModule(L.LightningModule):
         self._eval_episodes += scored.episode_metrics
         self._eval_confidence += scored.confidence
         self._eval_proxy += self.proxy_rewards(examples, scored)
+        for example, correct in zip(examples, scored.correct):
+            if example.source is not None:
+                tally = self._eval_by_source.setdefault(example.source, [0.0, 0.0])
+                tally[0], tally[1] = tally[0] + correct, tally[1] + 1
         wanted = self.eval_log_samples - len(self._eval_samples)
         if wanted > 0 and self.trainer.is_global_zero:  # only rank 0 logs: its first prompts
             self._eval_samples += self.sample_rows(examples[:wanted], scored)
@@ -383,17 +398,28 @@ class PosttrainModule(L.LightningModule):
 
     def on_validation_epoch_end(self):
         self.answer_panel()
+        suites = self.evaluate_suites()
         # each rank scored its own shard of the held-out prompts: reduce sums and counts
         counts = torch.cat(self._eval_counts) if self._eval_counts else torch.zeros(0)
         pass_sums = [float(pass_at_k(self.eval_num_samples, counts, k).sum()) for k in self.eval_pass_k]
         scalars = torch.tensor([sum(self._eval_correct), sum(self._eval_lengths), float(len(self._eval_correct)),
                                 *pass_sums, sum(self._eval_proxy)], dtype=torch.float64)
+        # per source: the names of the whole held-out set, the same on every rank whatever its share holds
+        sources = self.eval_source_names()
+        by_source = torch.tensor([self._eval_by_source.get(name, [0.0, 0.0]) for name in sources],
+                                 dtype=torch.float64).view(-1)
         # calibration: this rank's greedy responses binned by confidence; the bins' sums add over ranks
         bins = calibration_bins(self._eval_confidence, self._eval_correct, self.eval_calibration_bins)
-        summed = all_reduce_sum(torch.cat([scalars, bins.flatten()]).to(self.device))  # one collective
-        totals, bins = summed[:len(scalars)], summed[len(scalars):].view(3, -1)
+        parts = [scalars, by_source, suites, bins.flatten().double()]
+        summed = all_reduce_sum(torch.cat(parts).to(self.device))  # one collective
+        totals, by_source, suites, bins = summed.split([len(part) for part in parts])
+        bins = bins.view(3, -1)
+        if self.eval_suites and not self.trainer.sanity_checking:
+            self.log_dict(suites_metrics(list(self.eval_suites), suites))
         if totals[2] == 0:
             return
+        self.log_dict({f"eval/{name}/accuracy": float(right / prompts)
+                       for name, (right, prompts) in zip(sources, by_source.view(-1, 2).tolist()) if prompts})
         accuracy, length = float(totals[0] / totals[2]), float(totals[1] / totals[2])
         self.log_dict({"eval/accuracy": accuracy, "eval/response_len": length}, prog_bar=True)
         if self.learned_scorers():  # the same on every rank: each scored its own rows
@@ -408,6 +434,25 @@ class PosttrainModule(L.LightningModule):
             self.log_samples(self._eval_samples)
         self.evaluated_at_step = self.trainer.global_step
         self._eval_correct, self._eval_lengths, self._eval_confidence = [], [], []
+
+    def eval_source_names(self) -> list[str]:
+        """The `Example.source` names of the held-out prompts (the datamodule's whole set: the same
+        list on every rank), sorted; [] for an undivided task."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        examples = getattr(datamodule, "eval_examples", None) or []
+        return sorted({e.source for e in examples if getattr(e, "source", None) is not None})
+
+    @torch.no_grad()
+    def evaluate_suites(self) -> torch.Tensor:
+        """This rank's sums of every evaluation suite (eval_suites.py), in the precision and the
+        forked random state of the held-out generation; none while Lightning sanity-checks (on
+        every rank alike)."""
+        if not self.eval_suites or self.trainer.sanity_checking:
+            return torch.zeros(0, dtype=torch.float64)
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self.trainer.precision_plugin.val_step_context():
+            return suites_sums(self, list(self.eval_suites), generate_and_score, self.eval_seed,
+                               self.eval_rows_per_call)
 
     @torch.no_grad()
     def answer_panel(self) -> None:

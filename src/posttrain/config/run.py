@@ -10,8 +10,9 @@ from typing import Iterator
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
+from posttrain.algorithms.eval_suites import SUITE_OPTIONS, suite_problems
 from posttrain.config.spec import (POSITIVE, SEED, Spec, Values, boolean, choice, either, integer, is_int, list_of,
-                                   mapping, number, optional, pattern, rule, text)
+                                   mapping, number, option_specs, optional, pattern, rule, text)
 from posttrain.data.arithmetic import SPLITS
 from posttrain.data.hub import REQUIRED_COLUMNS
 from posttrain.distributed.collectives import device_count
@@ -193,7 +194,28 @@ EVAL_SPECS: dict[str, Spec] = {
     "eval.panel.size": integer(0).about("prompts of the panel (docs/panel.md); 0: no panel"),
     "eval.panel.seed": SEED.about("which held-out prompts make the panel, the same in every run"),
     "eval.panel.file": optional(text()).about("a JSON-lines file of the panel's examples; null: drawn from eval.split"),
+    "eval.suites": optional(mapping("{same: {samples: 1}, words: {data: word_problems, samples: 4}}")).about(
+        "evaluation suites by name, each its own data, decoding and metrics (algorithms/eval_suites.py); null: none"),
+    "eval.suites.*": mapping("{samples: 4, temperature: 1.0, metrics: [accuracy, pass@4, maj@4]}"),
+    **option_specs("eval.suites.*", SUITE_OPTIONS),
 }
+
+
+@rule
+def eval_suites_are_well_formed(v: Values):
+    """A suite's name, unknown keys and metrics (k <= samples); and a module that generates."""
+    suites = v.get("eval.suites") or {}
+    for name, given in suites.items():
+        yield from suite_problems(name, given)
+    if suites and v.get("algorithm.name") in ("reward_model", "prm"):
+        yield (f"eval.suites={sorted(suites)}: algorithm={v.algorithm()} scores pairs or steps and generates no "
+               f"responses, so it has no suite to evaluate; drop eval.suites")
+    if suites and v.get("env.name", None) not in (None, "none"):
+        for name, given in suites.items():
+            if isinstance(given, dict) and given.get("data") is not None:
+                yield (f"eval.suites.{name}.data={given['data']!r}: with an environment (env={v.get('env.name')}) "
+                       f"held-out prompts are its episodes, so a suite evaluates the run's own data: set "
+                       f"eval.suites.{name}.data=null")
 
 
 @rule

@@ -5,6 +5,7 @@
     posttrain-eval checkpoint=<Hugging Face model dir> eval.split=test eval.num_prompts=512
     posttrain-eval checkpoint=<run dir> best_of_n.n=[1,4,16] best_of_n.prm=oracle
     posttrain-eval checkpoint=<run dir> thinking_budget=[4,8,16]         # accuracy against a thinking budget
+    posttrain-eval checkpoint=<run dir> 'eval.suites={words: {data: word_problems, samples: 4}}'   # suites
 
 Reports held-out greedy accuracy, mean response length and calibration (`eval/ece`,
 `eval/confidence`, `eval/reliability/*`) through training's own validation code (so a
@@ -12,7 +13,9 @@ run's final model reproduces the `eval/*` numbers of its summary.json), unbiased
 from `num_samples` sampled responses per prompt, and, with
 `best_of_n.n`, best-of-n accuracy by a PRM, an ORM, majority vote and the verifier
 (best_of_n.py), and, with `thinking_budget`, greedy accuracy when the reasoning is cut at
-each budget and its end forced (rollout/thinking.py). Writes eval.json in
+each budget and its end forced (rollout/thinking.py). The evaluation suites (`eval.suites`,
+a run's own unless the command line sets them; algorithms/eval_suites.py) and the accuracy
+per `Example.source` (`eval/<source>/accuracy`) come from the same validation. Writes eval.json in
 outputs/eval/runs/<time>/.
 """
 
@@ -216,6 +219,7 @@ def evaluate(cfg: DictConfig) -> dict:
         check_source_for_prm(cfg.best_of_n, source, cfg.data.source)
     tokenizer, policy = load_tokenizer_and_model(cfg.model, source.alphabet)
     module = build_eval_module(policy, tokenizer, source, cfg)
+    module.configure_eval(cfg.eval, seed=cfg.seed)  # the suites: built and checked before any generation
     if thinking_budgets:  # before any generation: a task without a marker fails fast
         marker, end_ids = end_of_thinking_ids(cfg, source, tokenizer)
     # the held-out prompts exactly as training builds them (no training stream: batch_size unused)
@@ -232,6 +236,9 @@ def evaluate(cfg: DictConfig) -> dict:
     # calibration of the greedy responses (PosttrainModule.log_calibration): ECE, mean confidence, reliability bins
     results.update({k: float(v) for k, v in greedy.items() if k in ("eval/ece", "eval/confidence")
                     or k.startswith("eval/reliability/")})
+    # the suites' metrics (eval/<suite>/<metric>) and the accuracy per source (eval/<source>/accuracy)
+    suites = [suite.name for suite in module.eval_suites]
+    results.update({k: float(v) for k, v in greedy.items() if k.split("/")[1] in suites or is_source_key(k)})
 
     def predict_sampled(num_samples: int) -> list:
         """module.predict_step over the held-out prompts, `num_samples` responses each."""
@@ -268,6 +275,9 @@ def evaluate(cfg: DictConfig) -> dict:
         run_dir=None if weights.run_dir is None else str(weights.run_dir),
         split=cfg.eval.split, num_prompts=len(datamodule.eval_examples), greedy_max_new_tokens=cfg.eval.max_new_tokens,
         num_samples=cfg.num_samples if cfg.pass_k else 0, temperature=cfg.temperature, seed=cfg.seed,
+        suites={suite.name: {"num_prompts": len(suite.examples), "samples": suite.samples,
+                             "temperature": suite.sampling.temperature, "metrics": list(suite.metrics)}
+                for suite in module.eval_suites},
         settings=OmegaConf.to_container(OmegaConf.masked_copy(cfg, ["model", "data", "eval", "rollout", "trainer"])),
     )
     write_json_atomic(output_dir / "eval.json", results)
@@ -299,7 +309,12 @@ def print_results(results: dict, pass_k: list[int], best_of_n_sizes: list[int]) 
         table.add_row(f"accuracy (greedy, thinking budget {budget}; forced "
                       f"{results[f'eval/thinking@{budget}/forced_frac']:.0%})",
                       f"{results[f'eval/thinking@{budget}/accuracy']:.1%}")
+    for key in sorted(k for k in results if k.startswith("eval/") and k.count("/") == 2
+                      and k.split("/")[1] not in results.get("suites", {}) and k.endswith("/accuracy")):
+        table.add_row(f"accuracy (greedy), source {key.split('/')[1]}", f"{results[key]:.1%}")
     log.info(render(table))  # through the logger: also in eval.log
+    if results.get("suites"):
+        log.info(render(suites_table(results), width=120))  # a column per metric: wider
     if best_of_n_sizes:
         title = (f"best-of-n accuracy: {results['num_prompts']} prompts, {results['best_of_n_samples']} samples "
                  f"each (T={results['temperature']:g})")
@@ -307,6 +322,31 @@ def print_results(results: dict, pass_k: list[int], best_of_n_sizes: list[int]) 
             if results[f"best_of_n_{name}"] is not None:
                 title += f", {name}={results[f'best_of_n_{name}']}"
         log.info(render(best_of_n_table(results, best_of_n_sizes, title), width=120))  # 8 columns: wider
+
+
+def is_source_key(key: str) -> bool:
+    """Whether `key` is `eval/<source>/accuracy` of the held-out examples' sources."""
+    parts = key.split("/")
+    return len(parts) == 3 and parts[2] == "accuracy" and parts[1] not in ("episode", "reliability")
+
+
+def suites_table(results: dict):
+    """A row per evaluation suite: its prompts, decoding and each of its metrics."""
+    from rich.table import Table  # start-up: only the results print tables
+
+    suites = results["suites"]
+    metrics = list(dict.fromkeys(m for suite in suites.values() for m in suite["metrics"]))
+    table = Table(title="evaluation suites (eval.suites)")
+    for column in ("suite", "prompts", "decoding", *metrics):
+        table.add_column(column, justify="left" if column == "suite" else "right")
+    for name, suite in suites.items():
+        decoding = "greedy" if suite["samples"] == 1 else f"{suite['samples']} at T={suite['temperature']:g}"
+        cells = []
+        for metric in metrics:
+            value = results.get(f"eval/{name}/{metric}")
+            cells.append("" if value is None else f"{value:.2f}" if metric == "response_len" else f"{value:.1%}")
+        table.add_row(name, str(suite["num_prompts"]), decoding, *cells)
+    return table
 
 
 main = hydra_command("posttrain-eval", "evaluate", evaluate, log_name="eval.log")

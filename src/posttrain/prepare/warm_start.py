@@ -132,6 +132,8 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
         sft_cfg.eval.at_start = False
         if "panel" in sft_cfg.eval:  # the prompt panel is for comparing runs, not their cached start
             sft_cfg.eval.panel.size, sft_cfg.eval.panel.file = 0, None
+        if "suites" in sft_cfg.eval:  # so are the evaluation suites
+            sft_cfg.eval.suites = None
         sft_cfg.logger = {"backend": "none"}
     identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer", "eval"])
     identity_cfg.stop_at_accuracy = target_accuracy
@@ -139,6 +141,7 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
     identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
     identity_cfg.model.pop("lora", None)  # off in the warm start, whatever the RL run's adapter
     identity_cfg.eval.pop("panel", None)  # off in the warm start, whatever the RL run's panel
+    identity_cfg.eval.pop("suites", None)  # off in the warm start, whatever the RL run's suites
     identity = OmegaConf.to_yaml(identity_cfg)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return sft_cfg, Path(cfg.paths.cache_dir) / folder / digest
