@@ -5,11 +5,13 @@ own source, the start-up checks, and the metrics per source."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from posttrain.algorithms.experience import Experience
@@ -24,7 +26,7 @@ from posttrain.rewards import build_reward
 from posttrain.rewards.base import ScoredSample
 
 from forked_cli import run_command
-from conftest import compose_config, module_from_config
+from conftest import compose_config, free_port, module_from_config, run_ranks
 
 
 def write_jsonl(path, rows):
@@ -247,19 +249,46 @@ def test_the_yaml_composes_and_passes_the_check():
 
 # --- metrics per source -----------------------------------------------------------------------
 
+def batch_of(scores, correct, source_index) -> Experience:
+    """A rollout batch of one-token prompts and two-token responses, two rows a group."""
+    rows = len(scores)
+    return Experience(prompt_ids=torch.zeros(rows, 1, dtype=torch.long), prompt_mask=torch.ones(rows, 1),
+                      response_ids=torch.zeros(rows, 2, dtype=torch.long), response_mask=torch.ones(rows, 2),
+                      rollout_logprobs=torch.zeros(rows, 2), truncated=torch.zeros(rows, dtype=torch.bool),
+                      scores=torch.tensor(scores), correct=torch.tensor(correct),
+                      group_index=torch.arange(rows) // 2, source_index=torch.tensor(source_index))
+
+
 def test_metrics_per_source_name_every_source_of_the_config():
     """Rows of sources a and b (index 0, 1); c has none in this batch: only its count."""
-    exp = Experience(prompt_ids=torch.zeros(4, 1, dtype=torch.long), prompt_mask=torch.ones(4, 1),
-                     response_ids=torch.zeros(4, 2, dtype=torch.long), response_mask=torch.ones(4, 2),
-                     rollout_logprobs=torch.zeros(4, 2), truncated=torch.zeros(4, dtype=torch.bool),
-                     scores=torch.tensor([1.0, 0.0, 1.5, 0.5]), correct=torch.tensor([1.0, 0.0, 1.0, 0.0]),
-                     group_index=torch.tensor([0, 0, 1, 1]), source_index=torch.tensor([0, 0, 1, 1]))
+    exp = batch_of([1.0, 0.0, 1.5, 0.5], [1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1])
     assert source_metrics(exp, ("a", "b", "c")) == {
         "rollout/a/count": 2.0, "rollout/a/reward_mean": 0.5, "rollout/a/accuracy": 0.5,
         "rollout/b/count": 2.0, "rollout/b/reward_mean": 1.0, "rollout/b/accuracy": 0.5,
         "rollout/c/count": 0.0}
     exp.correct = torch.full((4,), float("nan"))  # a reward without an accuracy term
     assert "rollout/a/accuracy" not in source_metrics(exp, ("a", "b", "c"))
+
+
+def source_metrics_worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        # rank 0 holds only a's rows, rank 1 only b's: neither holds every source of the config
+        exp = batch_of([1.0, 0.0], [1.0, 0.0], [0, 0]) if rank == 0 else batch_of([1.0, 1.0, 1.0, 0.0],
+                                                                                   [1.0, 1.0, 1.0, 0.0], [1, 1, 1, 1])
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(source_metrics(exp, ("a", "b", "c"))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_log_the_same_metrics_per_source_over_both_ranks_rows(tmp_path):
+    run_ranks(source_metrics_worker, free_port(), tmp_path)
+    expected = {"rollout/a/count": 2.0, "rollout/a/reward_mean": 0.5, "rollout/a/accuracy": 0.5,
+                "rollout/b/count": 4.0, "rollout/b/reward_mean": 0.75, "rollout/b/accuracy": 0.75,
+                "rollout/c/count": 0.0}
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected
 
 
 QUICK = ("logger=none", "callbacks.progress_bar=none", "trainer.max_steps=2", "trainer.val_check_interval=2",
