@@ -100,6 +100,28 @@ MODULES = {
             async def finalize(self, task, episode):
                 episode.traces[0].record_reward("finalized", 1.0, 0.25)
 
+        class TwoSeatsEnv(vf.Env[vf.SingleAgentEnvConfig]):
+            """A second agent answers the first: a user simulator."""
+
+            async def run(self, task, agents):
+                await agents.agent.run(task)
+                await agents.user.run(task)
+
+        class StoppingTask(GuessTask):
+            @vf.stop
+            async def enough(self, trace) -> bool:
+                return trace.num_turns > 2
+
+        class StoppingTaskset(vf.Taskset[StoppingTask, vf.TasksetConfig]):
+            def load(self):
+                yield StoppingTask(GuessData(prompt="guess", secret=1), self.config.task)
+
+        def two_seats():
+            return TwoSeatsEnv(vf.SingleAgentEnvConfig(taskset={"id": "vf_guess"}))
+
+        def stopping():
+            return StoppingTaskset(vf.TasksetConfig())
+
         __all__ = ["GuessTaskset", "GuessEnv"]
     ''',
     "vf_calc": '''
@@ -260,6 +282,14 @@ def test_a_missing_module_or_function_is_a_config_error_naming_env_load(modules)
         VerifiersEnvironment("vf_calc:nothing")
     with pytest.raises(ConfigError, match="env.load is not set"):
         VerifiersEnvironment(None)
+
+
+def test_what_posttrain_cannot_play_is_named(modules):
+    with pytest.raises(ConfigError, match="env.load='vf_guess:stopping': @vf.stop hooks are not supported"):
+        VerifiersEnvironment("vf_guess:stopping")
+    environment, source = played("vf_guess:two_seats")
+    with pytest.raises(ConfigError, match="plays a second agent 'user' besides 'agent'"):
+        play(environment, source.example("train", 0), ["7"])
 
 
 def test_data_and_env_verifiers_go_together(make_config):

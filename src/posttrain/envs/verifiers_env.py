@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -47,7 +48,7 @@ from posttrain.data.examples import Example
 from posttrain.data.verifiers_source import (VerifiersSource, import_verifiers, load_verifiers_environment,
                                              task_from_example)
 from posttrain.envs.base import Environment, Reply, Turn
-from posttrain.envs.tools import OPEN, MalformedCall, Tool, ToolOutput, parse_tool_calls, tools_system_prompt
+from posttrain.envs.tools import MalformedCall, Tool, ToolOutput, parse_tool_calls, tools_system_prompt
 from posttrain.errors import ConfigError, DataError, RewardError
 
 CUT = object()  # what a seat's pending turn receives when posttrain asks for no more turns
@@ -164,7 +165,7 @@ class VerifiersEnvironment(Environment):
                 messages[0]["content"] = f"{messages[0]['content'].rstrip()}\n\n{self.system_prompt}"
         else:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return type(example)(**{**example.__dict__, "messages": messages, "prompt_ids": None})
+        return dataclasses.replace(example, messages=messages, prompt_ids=None)
 
     def start(self, example: Example) -> VerifiersEpisode:
         return VerifiersEpisode(self, example)
@@ -176,10 +177,6 @@ class VerifiersEnvironment(Environment):
             loop = self.loops.loop = asyncio.new_event_loop()
             loop.set_exception_handler(quiet_about_dropped_episodes)
         return loop
-
-    def check(self) -> None:
-        if self.tools and not all(callable(tool.method) for tool in self.tools.values()):
-            raise ConfigError("env=verifiers: a tool is not callable")
 
     def attach(self, source) -> None:
         if not isinstance(source, VerifiersSource):
@@ -391,7 +388,7 @@ class PolicySeat:
             text = await episode.policy_turn()
             if text is CUT:
                 return vf.Segment(messages=[], terminated=True)
-            calls = parse_tool_calls(text, episode.env.tools) if episode.env.tools and OPEN in text else []
+            calls = parse_tool_calls(text, episode.env.tools) if episode.env.tools else []
             well_formed = [call for call in calls if not isinstance(call, MalformedCall)]
             assistant = vf.AssistantMessage(content=text, tool_calls=[
                 vf.ToolCall(id=f"call_{episode.trace.num_turns}_{n}", name=call.name, arguments=json.dumps(call.arguments))
