@@ -80,6 +80,16 @@ def suite_problems(name, given) -> list[str]:
     problems += option_problems(owner, SUITE_OPTIONS, given)
     if problems:
         return problems
+    data = given.get("data")
+    option = data if isinstance(data, str) else None if data is None else data["source"]
+    if option is not None and option not in data_options():
+        problems.append(f"{owner}.data={data!r}: there is no data option {option!r}; the options are "
+                        f"{', '.join(data_options())}")
+    elif isinstance(data, dict):
+        known = set(OmegaConf.load(Path(CONFIG_DIR) / "data" / f"{option}.yaml").keys())
+        for key in sorted(set(data) - known):
+            problems.append(f"{owner}.data.{key} is not a key of data={option} (conf/data/{option}.yaml): "
+                            f"its keys are {', '.join(sorted(known))}")
     samples = given.get("samples", 1)
     for metric in given.get("metrics") or []:
         k = metric_k(metric)
@@ -87,6 +97,11 @@ def suite_problems(name, given) -> list[str]:
             problems.append(f"{owner}.metrics asks for {metric}, but {owner}.samples={samples}: a metric at k "
                             f"reads k sampled responses per prompt, so it needs samples >= {k}")
     return problems
+
+
+def data_options() -> list[str]:
+    """The options of the data group (conf/data/<option>.yaml), which a suite's data names."""
+    return sorted(path.stem for path in (Path(CONFIG_DIR) / "data").glob("*.yaml"))
 
 
 def metric_k(metric: str) -> int | None:
@@ -140,12 +155,8 @@ def suite_data_config(name: str, data, seed: int):
     """The data node of suite `name`'s `data` option (None: the run's own), with ${seed} the run's."""
     if data is None:
         return None
-    option = data if isinstance(data, str) else data["source"]
+    option = data if isinstance(data, str) else data["source"]  # a known option: suite_problems checked it
     path = Path(CONFIG_DIR) / "data" / f"{option}.yaml"
-    if not path.is_file():
-        options = sorted(p.stem for p in (Path(CONFIG_DIR) / "data").glob("*.yaml"))
-        raise ConfigError(f"eval.suites.{name}.data={data!r}: there is no data option {option!r}; the options are "
-                          f"{', '.join(options)}")
     changes = {} if isinstance(data, str) else data
     node = OmegaConf.merge({"seed": seed}, {"data": OmegaConf.load(path)}, {"data": changes})
     return OmegaConf.create(OmegaConf.to_container(node, resolve=True)["data"])

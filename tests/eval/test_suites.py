@@ -1,0 +1,201 @@
+"""Evaluation suites (`eval.suites`, algorithms/eval_suites.py): a suite's metrics against
+hand-computed values on scripted responses, the ranks' shares adding up to one process's sums,
+the start-up refusals, and two training steps of the embedded model with two suites, read back
+from metrics.jsonl and reproduced by posttrain-eval."""
+
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import compose_config
+from forked_cli import run_command
+from posttrain.algorithms.base import Scored
+from posttrain.algorithms.eval_suites import EvalSuite, suites_metrics, suites_sums
+from posttrain.config.check import check_config
+from posttrain.data.examples import Example
+from posttrain.distributed import collectives
+from posttrain.errors import ConfigError
+from posttrain.rollout import SamplingParams
+
+
+class LastNumberTask:
+    """A task whose answer is the last number of a response."""
+
+    def final_answer(self, text: str):
+        numbers = re.findall(r"\d+", text)
+        return numbers[-1] if numbers else None
+
+    def is_correct(self, example, text: str) -> bool:
+        return self.final_answer(text) == example.answer
+
+
+class CharTokenizer:
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+# Three prompts, four scripted responses each (right answers 5, 3, 9).
+EXAMPLES = [Example("2+3", "5", "5", source="x"), Example("1+2", "3", "3", source="x"),
+            Example("4+5", "9", "9", source="y")]
+RESPONSES = {"2+3": ["5", "5", "7", "none"],   # right, right, wrong, no answer
+             "1+2": ["4", "4", "3", "3"],      # a 2-2 tie between a wrong and the right answer
+             "4+5": ["1", "2", "6", "8"]}      # all wrong, all different
+
+
+def scripted_generate_and_score(calls: list):
+    """A stand-in for base.generate_and_score: row j of a prompt's `samples` rows answers its
+    j-th scripted response; records the rows of each call."""
+
+    def generate_and_score(module, batch, params, generator=None, source=None):
+        calls.append(len(batch["examples"]))
+        texts, seen = [], {}
+        for example in batch["examples"]:
+            j = seen.get(example.prompt, 0)
+            seen[example.prompt] = j + 1
+            texts.append(RESPONSES[example.prompt][j])
+        correct = [float(source.is_correct(e, t)) for e, t in zip(batch["examples"], texts)]
+        return Scored(texts, correct, [float(len(t)) for t in texts], [False] * len(texts))
+
+    return generate_and_score
+
+
+def suite(metrics) -> EvalSuite:
+    return EvalSuite("scripted", LastNumberTask(), EXAMPLES, 4, SamplingParams(max_new_tokens=4), tuple(metrics),
+                     ("x", "y"))
+
+
+MODULE = SimpleNamespace(tokenizer=CharTokenizer(), device=torch.device("cpu"))
+METRICS = ("accuracy", "pass@1", "pass@2", "pass@4", "maj@2", "maj@4", "mean@4", "response_len")
+
+
+def test_suite_metrics_against_hand_computed_values():
+    the_suite = suite(METRICS)
+    calls = []
+    sums = suites_sums(MODULE, [the_suite], scripted_generate_and_score(calls), seed=0, rows_per_call=12)
+    metrics = suites_metrics([the_suite], sums)
+    expected = {
+        "accuracy": 4 / 12,                  # 2 + 2 + 0 right of 12 responses
+        "pass@1": (2 / 4 + 2 / 4 + 0) / 3,    # c/n per prompt
+        "pass@2": (5 / 6 + 5 / 6 + 0) / 3,    # 1 - C(2,2)/C(4,2) = 5/6 for c = 2 of n = 4
+        "pass@4": (1 + 1 + 0) / 3,
+        # maj@2 over the 6 pairs: prompt 1: {5,5} 1, {5,7} 1/2 (tie), {5,-} 1, {5,7} 1/2, {5,-} 1,
+        # {7,-} 0 -> 4/6; prompt 2: {4,4} 0, four {4,3} ties 1/2, {3,3} 1 -> 3/6; prompt 3: 0
+        "maj@2": (4 / 6 + 3 / 6 + 0) / 3,
+        # maj@4: 5 wins 2-1 (right); 4 and 3 tie (1/2); four answers tie, none right (0)
+        "maj@4": (1 + 1 / 2 + 0) / 3,
+        "mean@4": (2 / 4 + 2 / 4 + 0) / 3,
+        "response_len": (1 + 1 + 1 + 4 + 4 * 1 + 4 * 1) / 12,  # "none" is 4 characters
+    }
+    for name, value in expected.items():
+        assert metrics[f"eval/scripted/{name}"] == pytest.approx(value, abs=1e-12), name
+    # per source: x holds the first two prompts (4 of 8 right), y the third (0 of 4)
+    assert metrics["eval/scripted/x/accuracy"] == pytest.approx(0.5)
+    assert metrics["eval/scripted/y/accuracy"] == 0.0
+    assert calls == [12]  # three whole prompts of 4 rows in one call of 12 rows
+
+
+def test_a_suite_logs_only_its_metrics():
+    sums = suites_sums(MODULE, [suite(("maj@4",))], scripted_generate_and_score([]), seed=0, rows_per_call=12)
+    assert suites_metrics([suite(("maj@4",))], sums) == {"eval/scripted/maj@4": pytest.approx(0.5),
+                                                         "eval/scripted/x/accuracy": 0.5,
+                                                         "eval/scripted/y/accuracy": 0.0}
+
+
+def test_two_ranks_make_the_same_calls_and_their_sums_add_up_to_one_process(monkeypatch):
+    the_suite = suite(METRICS)
+    whole = suites_sums(MODULE, [the_suite], scripted_generate_and_score([]), seed=0, rows_per_call=4)
+    per_rank, calls = [], []
+    for rank in (0, 1):
+        monkeypatch.setattr(collectives, "rank_and_world", lambda rank=rank: (rank, 2))
+        rank_calls = []
+        per_rank.append(suites_sums(MODULE, [the_suite], scripted_generate_and_score(rank_calls), seed=0,
+                                    rows_per_call=4))
+        calls.append(rank_calls)
+    # rank 0: prompts 0 and 2; rank 1: prompt 1 and a stand-in (prompt 0, counted nowhere);
+    # one prompt of 4 rows per call: two calls each
+    assert calls == [[4, 4], [4, 4]]
+    assert torch.equal(per_rank[0] + per_rank[1], whole)
+    assert suites_metrics([the_suite], per_rank[0] + per_rank[1]) == suites_metrics([the_suite], whole)
+
+
+@pytest.mark.parametrize("suites, named", [
+    ("{s: {sample: 4}}", "eval.suites.s: unknown key(s) ['sample']"),
+    ("{s: {samples: 2, metrics: [pass@4]}}", "eval.suites.s.metrics asks for pass@4, but eval.suites.s.samples=2"),
+    ("{s: {metrics: [best@2]}}", "eval.suites.s.metrics=['best@2'] is not valid"),
+    ("{s: {data: no_such_task}}", "eval.suites.s.data='no_such_task': there is no data option 'no_such_task'"),
+    ("{s: {data: {source: arithmetic, max_digit: 4}}}", "eval.suites.s.data.max_digit is not a key of data=arithmetic"),
+    ("{s: {samples: 0}}", "eval.suites.s.samples=0 is not valid"),
+])
+def test_a_bad_suite_is_refused_at_start_up_naming_its_key(suites, named):
+    with pytest.raises(ConfigError) as refused:
+        check_config(compose_config([f"eval.suites={suites}"]))
+    assert named in str(refused.value)
+
+
+def test_a_suite_needs_an_algorithm_that_generates():
+    with pytest.raises(ConfigError, match=r"eval.suites=\['s'\]: algorithm=reward_model .* generates no responses"):
+        check_config(compose_config(["algorithm=reward_model", "eval.suites={s: {samples: 1}}"]))
+
+
+def test_the_default_and_a_valid_suite_pass():
+    check_config(compose_config([]))
+    check_config(compose_config(["eval.suites={s: {data: {source: arithmetic, max_digits: 4}, samples: 4, "
+                                 "temperature: 0.7, metrics: [pass@4, maj@2]}}"]))
+
+
+SUITES = ("eval.suites={same: {samples: 1}, sampled: {data: {source: arithmetic, min_digits: 2, max_digits: 2}, "
+          "num_prompts: 6, samples: 4, temperature: 1.0, metrics: [accuracy, pass@1, pass@4, maj@4, mean@4, "
+          "response_len]}}")
+
+
+def test_two_training_steps_log_both_suites_and_posttrain_eval_reproduces_them(tmp_path):
+    command = [sys.executable, "-m", "posttrain.train", "algorithm=sft", "trainer.max_steps=2",
+               "trainer.val_check_interval=2", "eval.num_prompts=8", "eval.batch_size=8", "data.min_digits=1",
+               "data.max_digits=1", SUITES, "logger=none", "callbacks.progress_bar=none", "num_threads=1",
+               f"paths.log_dir={tmp_path / 'train'}"]
+    ran = run_command(command, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    (run_dir,) = (tmp_path / "train").glob("sft/runs/*")
+    evals = [row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "eval/accuracy" in row]
+    assert [row["batch"] for row in evals] == [0, 2]  # before training and after step 2
+    for row in evals:
+        # `same` is the run's own held-out set, greedy: the held-out evaluation's numbers
+        assert row["eval/same/accuracy"] == row["eval/accuracy"]
+        assert row["eval/same/response_len"] == row["eval/response_len"]
+        # sampled: pass@1 and mean@4 are both c/n per prompt, the accuracy its mean over all responses
+        assert row["eval/sampled/pass@1"] == pytest.approx(row["eval/sampled/accuracy"], abs=1e-9)
+        assert row["eval/sampled/mean@4"] == pytest.approx(row["eval/sampled/accuracy"], abs=1e-9)
+        assert row["eval/sampled/pass@1"] <= row["eval/sampled/pass@4"] <= 1.0
+        assert 0.0 <= row["eval/sampled/maj@4"] <= row["eval/sampled/pass@4"]
+        assert 0 < row["eval/sampled/response_len"] <= 8  # data.max_response_tokens of 2-digit addition
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval/sampled/pass@4"] == evals[-1]["eval/sampled/pass@4"]
+    assert summary["eval/same/accuracy_start"] == evals[0]["eval/same/accuracy"]
+
+    ran = run_command([sys.executable, "-m", "posttrain.eval.evaluate", f"checkpoint={run_dir}", "pass_k=[]",
+                       "num_threads=1", f"paths.log_dir={tmp_path / 'eval'}"], capture_output=True, text=True,
+                      timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "evaluation suites" in ran.stdout + ran.stderr
+    (results,) = (tmp_path / "eval").glob("eval/runs/*/eval.json")
+    results = json.loads(results.read_text())
+    assert results["suites"]["sampled"] == {"num_prompts": 6, "samples": 4, "temperature": 1.0,
+                                            "metrics": ["accuracy", "pass@1", "pass@4", "maj@4", "mean@4",
+                                                        "response_len"]}
+    for key in ("eval/same/accuracy", "eval/sampled/pass@4", "eval/sampled/maj@4", "eval/sampled/response_len"):
+        assert results[key] == pytest.approx(evals[-1][key], abs=1e-9), key  # the same seeded draws
+
+
+def test_a_bad_suite_on_the_command_line_exits_1_before_any_run_directory(tmp_path):
+    ran = run_command([sys.executable, "-m", "posttrain.train", "eval.suites={s: {samples: 2, metrics: [maj@3]}}",
+                       f"paths.log_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 1 and "eval.suites.s.metrics asks for maj@3" in ran.stderr
+    assert "Traceback" not in ran.stderr and not list(Path(tmp_path).rglob("config.yaml"))
