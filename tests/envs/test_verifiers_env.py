@@ -282,6 +282,8 @@ def test_a_missing_module_or_function_is_a_config_error_naming_env_load(modules)
         VerifiersEnvironment("vf_calc:nothing")
     with pytest.raises(ConfigError, match="env.load is not set"):
         VerifiersEnvironment(None)
+    with pytest.raises(ConfigError, match="env.args do not fit the taskset config of env.load='vf_sums': cnt: Extra"):
+        VerifiersEnvironment("vf_sums", {"cnt": 3})
 
 
 def test_what_posttrain_cannot_play_is_named(modules):

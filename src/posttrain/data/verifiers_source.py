@@ -92,10 +92,16 @@ def load_verifiers_environment(load: str | None, args: Mapping | None, key: str 
     elif callable(getattr(module, "load_environment", None)):
         loaded = _call(module.load_environment, args, f"{key}={load!r} (its load_environment)")
     else:
+        import pydantic  # optional: verifiers' dependency
+
         try:
-            loaded = vf.load_environment(vf.resolve_env_config({"taskset": {"id": module_name, **args}}))
-        except (AttributeError, TypeError, ValueError) as err:  # pydantic's ValidationError is a ValueError
+            config = vf.resolve_env_config({"taskset": {"id": module_name, **args}})
+        except pydantic.ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in err.errors())
+            raise ConfigError(f"env.args do not fit the taskset config of {key}={load!r}: {problems}") from None
+        except (AttributeError, TypeError, ValueError) as err:  # no Taskset exported in __all__, or several
             raise ConfigError(f"{key}={load!r}: not a verifiers environment package ({err})") from None
+        loaded = vf.load_environment(config)
     if isinstance(loaded, vf.Env):
         result = LoadedEnvironment(load, loaded, loaded.taskset)
     elif isinstance(loaded, vf.Taskset):
