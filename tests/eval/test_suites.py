@@ -199,3 +199,25 @@ def test_a_bad_suite_on_the_command_line_exits_1_before_any_run_directory(tmp_pa
                        f"paths.log_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 1 and "eval.suites.s.metrics asks for maj@3" in ran.stderr
     assert "Traceback" not in ran.stderr and not list(Path(tmp_path).rglob("config.yaml"))
+
+
+def test_held_out_accuracy_per_source_of_reasoning_gym_tasks(tmp_path):
+    """data=reasoning_gym with two tasks: eval/<task>/accuracy beside eval/accuracy, whose mean
+    over the tasks' prompts it is; the suite on the run's data has the same per-task keys."""
+    pytest.importorskip("reasoning_gym", reason="data=reasoning_gym needs the reasoning-gym package")
+    command = [sys.executable, "-m", "posttrain.train", "algorithm=sft", "data=reasoning_gym",
+               "data.tasks=[{name: chain_sum, size: 40}, {name: basic_arithmetic, size: 20, config: {max_terms: 3}}]",
+               "data.heldout_size=4", "data.chat=false", "data.shots=0", "data.max_response_tokens=8",
+               "trainer.max_steps=1", "trainer.val_check_interval=1", "eval.num_prompts=8", "eval.batch_size=8",
+               "eval.at_start=false", "eval.suites={same: {samples: 2}}", "logger=none",
+               "callbacks.progress_bar=none", "num_threads=1", f"paths.log_dir={tmp_path}"]
+    ran = run_command(command, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    (summary,) = tmp_path.rglob("summary.json")
+    summary = json.loads(summary.read_text())
+    tasks = ("basic_arithmetic", "chain_sum")
+    for task in tasks:
+        assert 0.0 <= summary[f"eval/{task}/accuracy"] <= 1.0
+        assert 0.0 <= summary[f"eval/same/{task}/accuracy"] <= 1.0
+    low, high = sorted(summary[f"eval/{task}/accuracy"] for task in tasks)
+    assert low <= summary["eval/accuracy"] <= high  # a weighted mean of the two
