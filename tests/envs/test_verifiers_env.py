@@ -5,6 +5,7 @@ steps through the CLI on the embedded model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import pytest
 pytest.importorskip("verifiers.v1", reason="pip install 'posttrain[verifiers]'")
 
 from posttrain.config.check import check_config  # noqa: E402
+from posttrain.data.examples import Example  # noqa: E402
 from posttrain.data.verifiers_source import VerifiersSource, load_verifiers_environment  # noqa: E402
 from posttrain.envs.base import Turn  # noqa: E402
 from posttrain.envs.verifiers_env import VerifiersEnvironment  # noqa: E402
@@ -190,7 +192,7 @@ def test_the_tasks_become_examples_in_three_splits(modules):
     assert [source.size(split) for split in ("validation", "test", "train")] == [1, 1, 4]
     example = source.example("train", 0)  # the third task: 2+1=
     assert example.messages == [{"role": "system", "content": "sum"}, {"role": "user", "content": "2+1="}]
-    assert example.response == "" and example.answer is None and json.loads(example.task_data)["answer"] == "3"
+    assert example.response == "" and json.loads(example.answer)["answer"] == "3"  # the task's wire data
 
 
 @pytest.mark.parametrize("response, exact, short", [("3", 1.0, 1.0), ("33", 0.0, 1.0), ("3333", 0.0, 0.0)])
@@ -216,7 +218,7 @@ def test_a_rubric_function_that_raises_or_gives_nan_is_an_error_naming_it(module
 
 def test_the_env_answers_each_turn_and_ends_the_episode_when_its_run_does(modules):
     environment, source = played("vf_guess", max_turns=4)
-    example = source.example("train", 0)  # secret 7
+    example = Example(**dataclasses.asdict(source.example("train", 0)))  # secret 7; as a saved rollout reloads it
     replies = play(environment, example, ["3", "9", "7"])
     assert [r.messages for r in replies[:2]] == [[{"role": "user", "content": "higher"}],
                                                   [{"role": "user", "content": "lower"}]]

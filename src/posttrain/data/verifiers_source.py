@@ -14,13 +14,14 @@ turns. `load_verifiers_environment` finds one from `env.load`:
 The function returns a `vf.Env` or a `vf.Taskset`. Loading is cached per (load, args), so the
 data source and the environment of one process share the same objects.
 
-An `Example` of the source (`VerifiersExample`):
+An `Example` of the source:
 
     prompt     the task's system prompt and prompt as text (without `data.chat`)
     messages   [system,] user: the task's prompt as chat messages (with `data.chat`)
     response   "" (verifiers tasks carry no reference solution)
-    answer     None (the environment's rubric judges, `env=verifiers`)
-    task_data  the task's wire data as JSON: the environment rebuilds the task from it
+    answer     the task's wire data as JSON (what verifiers writes in a trace's `task.data`): the
+               environment rebuilds the task from it, and its rubric judges (`env=verifiers`).
+               A plain field, so an example saved with a partial rollout comes back whole.
 
 Splits: the tasks in `load()` order (the first `data.limit` of them; an infinite taskset needs
 `data.limit`): the first `data.heldout_size` are the validation split, the next
@@ -119,21 +120,17 @@ def _call(function: Callable, args: dict, where: str):
         raise ConfigError(f"{where}: {err} (its arguments come from env.args)") from None
 
 
-@dataclass
-class VerifiersExample(Example):
-    """An Example that carries its verifiers task's wire data (JSON), for the environment."""
-
-    task_data: str | None = None
-
-
 def task_from_example(taskset, example: Example):
-    """The verifiers Task an example of VerifiersSource was made from, rebuilt from its wire data."""
-    if not isinstance(example, VerifiersExample) or example.task_data is None:
+    """The verifiers Task an example of VerifiersSource was made from, rebuilt from its wire data (its answer)."""
+    try:
+        wire = json.loads(example.answer) if example.answer is not None else None
+    except json.JSONDecodeError:
+        wire = None
+    if not isinstance(wire, dict):
         raise ConfigError("env=verifiers plays the tasks of data=verifiers; this example comes from another source "
                           "(set data=verifiers)")
     task_type = type(taskset).task_type()
-    data = task_type.data_type().model_validate(json.loads(example.task_data))
-    return task_type(data, taskset.config.task)
+    return task_type(task_type.data_type().model_validate(wire), taskset.config.task)
 
 
 class VerifiersSource(ListSource):
@@ -163,7 +160,7 @@ class VerifiersSource(ListSource):
             self.examples[split] = [self._example(task) for task in chosen]
             self.origins[split] = [f"{loaded.load} task {task.data.idx}" for task in chosen]
 
-    def _example(self, task) -> VerifiersExample:
+    def _example(self, task) -> Example:
         data = task.data
         if data.prompt is None:
             raise ConfigError(f"task {data.idx} of {self.loaded.load!r} has no prompt (its environment opens the "
@@ -177,8 +174,7 @@ class VerifiersSource(ListSource):
             chat.insert(0, {"role": "system", "content": data.system_prompt})
         prompt = "\n\n".join(m["content"] for m in chat)
         wire = json.dumps(data.model_dump(mode="json", exclude_none=True))
-        return VerifiersExample(prompt if self.chat else f"{prompt}\n", "", None,
-                                messages=chat if self.chat else None, task_data=wire)
+        return Example(prompt if self.chat else f"{prompt}\n", "", wire, messages=chat if self.chat else None)
 
     def missing_split(self, split: str) -> str:
         return f"data=verifiers has the splits train, validation and test, not {split!r}"
