@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import string
 import sys
 import textwrap
 
@@ -19,9 +20,10 @@ pytest.importorskip("verifiers.v1", reason="pip install 'posttrain[verifiers]'")
 from posttrain.config.check import check_config  # noqa: E402
 from posttrain.data.examples import Example  # noqa: E402
 from posttrain.data.verifiers_source import VerifiersSource, load_verifiers_environment  # noqa: E402
-from posttrain.envs.base import Turn  # noqa: E402
+from posttrain.envs.base import Turn, observation_ids  # noqa: E402
 from posttrain.envs.verifiers_env import VerifiersEnvironment  # noqa: E402
 from posttrain.errors import ConfigError, RewardError  # noqa: E402
+from posttrain.models.tiny import build_char_tokenizer  # noqa: E402
 
 # Three environments a user would write, as modules on the path (verifiers finds a package by its
 # module name: `vf_sums` exports its Taskset in __all__; the others are loaded by function).
@@ -243,6 +245,24 @@ def test_turn_rewards_add_up_to_the_score_of_the_transcript_where_the_collector_
     assert [r.reward for r in replies] == [0.0, 1.75]
     replies = play(environment, source.example("train", 1), ["2"])  # found at once
     assert [r.reward for r in replies] == [1.75]
+
+
+def test_the_envs_message_follows_the_sampled_turn_token_for_token_under_a_chat_template(modules):
+    tokenizer = build_char_tokenizer(list(string.printable) + ["<|im_start|>", "<|im_end|>"])
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                               "'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}"
+                               "{{ '<|im_start|>assistant\n' }}{% endif %}")
+    environment, source = played("vf_guess")
+    example = environment.prepare(source.example("train", 0))  # secret 7
+    (reply,) = play(environment, example, ["3"])
+    observation = observation_ids(reply, tokenizer)
+    assert tokenizer.decode(observation) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    prompt = tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(prompt + "3<|im_end|>", add_special_tokens=False)["input_ids"] + observation
+    chat = [*example.messages, {"role": "assistant", "content": "3"}, *reply.messages]
+    whole = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ids == tokenizer(whole, add_special_tokens=False)["input_ids"]
 
 
 # --- tools -----------------------------------------------------------------------------------
