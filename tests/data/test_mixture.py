@@ -40,7 +40,6 @@ def mixture_config(mixture: dict, seed: int = 0):
 
 
 ADDITION = {"source": "arithmetic", "min_digits": 2, "max_digits": 2}
-THREE_DIGITS = {"source": "arithmetic", "min_digits": 3, "max_digits": 3}
 
 
 def sums_and_words(tmp_path, sums_weight=3.0, words_weight=1.0, seed=0):
@@ -154,8 +153,9 @@ def test_finite_held_out_splits_add_up(tmp_path):
 
 def test_a_source_without_the_held_out_split_is_named(tmp_path):
     train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "response": "a", "answer": "a"}])
+    mine = {"source": "jsonl", "files": {"train": train}}
     mixture = build_source(mixture_config({"sums": {"weight": 1, "data": ADDITION},
-                                           "mine": {"weight": 1, "data": {"source": "jsonl", "files": {"train": train}}}}))
+                                           "mine": {"weight": 1, "data": mine}}))
     with pytest.raises(ConfigError, match=r"data\.mixture\.mine\.data: data\.files\.validation is not set"):
         mixture.size("validation")
 
@@ -168,7 +168,7 @@ def test_is_correct_routes_to_the_examples_source(tmp_path):
     word = Example("w1?", "w1", "w1", source="words")
     assert mixture.is_correct(addition, "42") and not mixture.is_correct(addition, "43")
     assert mixture.is_correct(word, "w1") and not mixture.is_correct(word, "42")
-    with pytest.raises(DataError, match=r"names source 'other', which is not one of data.mixture's \['sums', 'words'\]"):
+    with pytest.raises(DataError, match=r"names source 'other', which is not one of data.mixture's \['sums', 'words'"):
         mixture.is_correct(Example("1+1=", "2", "2", source="other"), "2")
 
 
@@ -301,8 +301,9 @@ def test_two_grpo_steps_on_a_mixture_log_each_sources_accuracy(tmp_path):
     file: each rollout batch logs rollout/<source>/accuracy for both sources."""
     rows = [{"prompt": f"{i}*2=", "response": str(2 * i), "answer": str(2 * i)} for i in range(10)]
     doubles = write_jsonl(tmp_path / "doubles.jsonl", rows)
-    command = [sys.executable, "-m", "posttrain.train", "data=mixture", "algorithm=grpo", "algorithm.warm_start.steps=0",
-               "algorithm.prompts_per_step=4", "algorithm.group_size=2", "~data.mixture.three_digit",
+    command = [sys.executable, "-m", "posttrain.train", "data=mixture", "algorithm=grpo",
+               "algorithm.warm_start.steps=0", "algorithm.prompts_per_step=4", "algorithm.group_size=2",
+               "~data.mixture.three_digit",
                f"+data.mixture.doubles={{weight: 1, data: {{source: jsonl, files: {{train: {doubles}, "
                f"validation: {doubles}}}}}}}", *QUICK, f"paths.output_dir={tmp_path / 'run'}"]
     ran = run_command(command, timeout=300)

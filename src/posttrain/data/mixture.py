@@ -141,7 +141,8 @@ class MixtureSource:
         self.counts = block_counts([self.weights[name] for name in self.source_names])
         self.prompt_limits = PromptLimits()  # the mixture's own (data.max_response_tokens ...): build_source sets them
         self.step_rule = None
-        self._blocks: dict[int, tuple[list[int], list[int]]] = {}  # block -> (source, draw within the block) of each draw
+        # block -> each draw's (source, draws of that source before it in the block)
+        self._blocks: dict[int, tuple[list[int], list[int]]] = {}
         self._heldout: dict[str, list[tuple[int, int]]] = {}  # split -> (source, its index) of each held-out index
 
     # -- the training stream
