@@ -153,6 +153,11 @@ MODULES = {
             async def used_tool(self, trace) -> float:
                 return float(len(trace.tool_messages) > 0)
 
+            @vf.metric
+            async def linked(self, trace) -> float:  # each result names the call it answers
+                calls = [call.id for message in trace.assistant_messages for call in message.tool_calls or ()]
+                return float(calls == [message.tool_call_id for message in trace.tool_messages])
+
         class CalcTaskset(vf.Taskset[CalcTask, vf.TasksetConfig]):
             def load(self):
                 for a in range(4):
@@ -279,7 +284,8 @@ def test_a_tool_result_comes_back_as_a_tool_message_and_the_tools_are_in_the_sys
     assert replies[0].messages == [{"role": "tool", "content": "42"}] and not replies[0].done
     assert replies[1].done and replies[1].reward == 1.0
     totals = {name: sum(r.metrics.get(name, 0.0) for r in replies) for name in environment.metric_names}
-    assert totals == {"rubric_right": 1.0, "rubric_used_tool": 1.0, "tool_calls": 1.0, "tool_errors": 0.0}
+    assert totals == {"rubric_right": 1.0, "rubric_used_tool": 1.0, "metric_linked": 1.0, "tool_calls": 1.0,
+                      "tool_errors": 0.0}
 
 
 @pytest.mark.parametrize("bad_call, says", [

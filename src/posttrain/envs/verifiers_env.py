@@ -389,24 +389,23 @@ class PolicySeat:
             if text is CUT:
                 return vf.Segment(messages=[], terminated=True)
             calls = parse_tool_calls(text, episode.env.tools) if episode.env.tools else []
-            well_formed = [call for call in calls if not isinstance(call, MalformedCall)]
+            ids = [f"call_{episode.trace.num_turns}_{n}" for n in range(len(calls))]  # a call's id names its result
             assistant = vf.AssistantMessage(content=text, tool_calls=[
-                vf.ToolCall(id=f"call_{episode.trace.num_turns}_{n}", name=call.name, arguments=json.dumps(call.arguments))
-                for n, call in enumerate(well_formed)] or None)
+                vf.ToolCall(id=call_id, name=call.name, arguments=json.dumps(call.arguments))
+                for call_id, call in zip(ids, calls) if not isinstance(call, MalformedCall)] or None)
             episode.add(assistant, sampled=True)
             episode.reply_start = len(episode.trace.nodes)
             produced.append(assistant)
             if not calls:
                 return vf.Segment(messages=produced)
-            for n, call in enumerate(calls):
+            for call_id, call in zip(ids, calls):
                 if isinstance(call, MalformedCall):
                     output, name = ToolOutput(call.error, error=True), None
                 else:
                     output, name = await episode.env.tools[call.name].call(call.arguments), call.name
                 episode.counts["tool_calls"] += 1
                 episode.counts["tool_errors"] += float(output.error)
-                message = vf.ToolMessage(tool_call_id=f"call_{episode.trace.num_turns}_{n}", content=output.text,
-                                         name=name)
+                message = vf.ToolMessage(tool_call_id=call_id, content=output.text, name=name)
                 episode.add(message)
                 produced.append(message)
 
