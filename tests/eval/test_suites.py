@@ -221,3 +221,40 @@ def test_held_out_accuracy_per_source_of_reasoning_gym_tasks(tmp_path):
         assert 0.0 <= summary[f"eval/same/{task}/accuracy"] <= 1.0
     low, high = sorted(summary[f"eval/{task}/accuracy"] for task in tasks)
     assert low <= summary["eval/accuracy"] <= high  # a weighted mean of the two
+
+
+def sweep_job(sweep: Path, number: int, algorithm: str, seed: int, summary: dict) -> None:
+    path = sweep / f"{number}_{algorithm}"
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text(f"- algorithm={algorithm}\n- seed={seed}\n")
+    (path / "summary.json").write_text(json.dumps({"eval/accuracy": 0.5, "eval/response_len": 4.0, **summary,
+                                                   "choices": {"algorithm": algorithm}}))
+
+
+def test_the_report_tables_and_judges_each_suite(tmp_path):
+    from posttrain.eval.report.document import write_report
+
+    # two arms, two seeds; suite `words` (accuracy, maj@4, length) and source `x` (accuracy)
+    for number, (algorithm, seed, accuracy, majority, length) in enumerate(
+            [("grpo", 0, 0.5, 0.6, 10.0), ("grpo", 1, 0.6, 0.7, 12.0), ("ppo", 0, 0.3, 0.6, 10.0),
+             ("ppo", 1, 0.4, 0.7, 12.0)]):
+        sweep_job(tmp_path, number, algorithm, seed,
+                  {"eval/words/accuracy_start": 0.1, "eval/words/accuracy": accuracy, "eval/words/maj@4": majority,
+                   "eval/words/response_len": length, "eval/x/accuracy": accuracy,
+                   "eval/episode/turns": 2.0, "eval/reliability/bin00/accuracy": 0.0})
+    report = write_report(tmp_path).read_text()
+    suites = report.split("## Evaluation suites and sources")[1].split("##")[0]
+    header = next(line for line in suites.splitlines() if line.startswith("| algorithm"))
+    assert header == ("| algorithm | n | words/accuracy start | words/accuracy | words/maj@4 | words/response_len | "
+                      "x/accuracy |")
+    # grpo: accuracy 50, 60 -> 55.0 ± 7.1 (sample std 7.07); maj@4 65.0 ± 7.1; length 11.00 ± 1.41
+    assert "| grpo | 2 | 10.0 ± 0.0 | 55.0 ± 7.1 | 65.0 ± 7.1 | 11.00 ± 1.41 | 55.0 ± 7.1 |" in suites
+    assert "| ppo | 2 | 10.0 ± 0.0 | 35.0 ± 7.1 | 65.0 ± 7.1 | 11.00 ± 1.41 | 35.0 ± 7.1 |" in suites
+    # the verdicts: a section per suite metric; ppo is 20 points below grpo on both seeds: worse
+    words = report.split("### suite or source `words`: accuracy %: `eval/words/accuracy`, higher is better")[1]
+    ppo_row = next(line for line in words.splitlines() if line.startswith("| 1 | algorithm=ppo"))
+    assert "-20.0 [-20.0, -20.0]" in ppo_row and "**worse**" in ppo_row
+    assert "### suite or source `words`: maj@4 %: `eval/words/maj@4`, higher is better" in report
+    assert "### suite or source `words`: response_len (tokens): `eval/words/response_len`, lower is better" in report
+    assert "### suite or source `x`: accuracy %" in report
+    assert "episode" not in suites and "reliability" not in suites  # the held-out evaluation's own namespaces

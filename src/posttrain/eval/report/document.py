@@ -1,4 +1,4 @@
-"""report.md: a sweep's table per choice, its invalid runs, the verdicts, the calibration, the
+"""report.md: a sweep's table per choice, its invalid runs, the evaluation suites, the verdicts, the calibration, the
 curves and the per-run table, written with the plots beside it."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from posttrain.eval.report.calibration import calibration_section
 from posttrain.eval.report.curves import X_AXES, move_to_budget_axis
 from posttrain.eval.report.plots import write_plots
 from posttrain.eval.report.runs import ReportError, Run, check_keys, group_runs, load_histories, load_runs, varying_keys
+from posttrain.eval.report.suites import suites_section
 from posttrain.eval.report.tables import HEADER, choice_rows, markdown_table, over_budget, rows
 from posttrain.eval.report.verdicts import pick_baseline, verdict_section
 
@@ -38,6 +39,7 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
 
     lines = choices_section(root, runs, groups, by)
     lines += invalid_section(runs)
+    lines += suites_section(groups, by)
     lines += verdict_section(groups, labels, baseline_index, simultaneous)
     lines += calibration_section(groups, labels, by, out_dir)
     lines += curves_section(runs, pictures, x_axis, smooth)

@@ -7,6 +7,7 @@ import math
 
 from posttrain.core import statistics
 from posttrain.eval.report.runs import ReportError, Run
+from posttrain.eval.report.suites import suite_verdict_metrics
 from posttrain.eval.report.tables import markdown_table
 
 # The final metrics judged, each with its direction, explicit: (title, summary.json key, scale,
@@ -133,7 +134,8 @@ def verdict_section(groups: dict[tuple, list[Run]], labels: list[str], baseline:
         "",
         *([family, ""] if family else []),
     ]
-    for title, key, scale, fmt, higher_is_better in VERDICT_METRICS:
+    # then each evaluation suite's and source's metrics (eval/<suite>/accuracy, pass@k, ...)
+    for title, key, scale, fmt, higher_is_better in (*VERDICT_METRICS, *suite_verdict_metrics(runs)):
         if not any(key in run.summary for run in runs):
             continue
         direction = "higher is better" if higher_is_better else "lower is better"

@@ -1,0 +1,75 @@
+"""The evaluation suites (`eval.suites`, algorithms/eval_suites.py) and the held-out accuracy per
+source (`eval/<source>/accuracy`) in posttrain-report: which of a run's summary.json keys they
+are, the report's table of them per choice, and the metrics the verdicts judge."""
+
+from __future__ import annotations
+
+import re
+
+from posttrain.eval.report.runs import Run
+from posttrain.eval.report.tables import column_cells, markdown_table, scaled
+
+# eval/<suite or source>/<metric>: the metrics a suite logs (a source logs its accuracy)
+SUITE_KEY = re.compile(r"eval/(?P<name>[^/]+)/(?P<metric>accuracy|response_len|(?:pass|maj|mean)@\d+)")
+# eval/<namespace>/... that are the held-out evaluation's own, not a suite's or a source's
+NOT_SUITES = ("episode", "reliability", "rewards", "heads")
+
+
+def suite_keys(runs: list[Run]) -> list[str]:
+    """The suites' and sources' final metrics some run's summary.json holds, in first-seen order."""
+    keys = []
+    for run in runs:
+        for key in run.summary:
+            match = SUITE_KEY.fullmatch(key)
+            if match and match["name"] not in NOT_SUITES and not match["name"].startswith("thinking@"):
+                keys.append(key)
+    return list(dict.fromkeys(keys))
+
+
+def metric_format(key: str) -> tuple[float, str, bool]:
+    """(scale, format, higher is better) of a suite's metric: a share in %, a length in tokens
+    (shorter counts as better: the same answer for less compute)."""
+    if key.endswith("/response_len"):
+        return 1.0, ".2f", False
+    return 100.0, ".1f", True
+
+
+def metric_title(key: str) -> str:
+    match = SUITE_KEY.fullmatch(key)
+    unit = " (tokens)" if match["metric"] == "response_len" else " %"
+    return f"suite or source `{match['name']}`: {match['metric']}{unit}"
+
+
+def suite_verdict_metrics(runs: list[Run]) -> list[tuple[str, str, float, str, bool]]:
+    """The verdicts' (title, key, scale, format, higher is better) of every suite's and source's
+    metric (verdicts.VERDICT_METRICS' shape)."""
+    return [(metric_title(key), key, *metric_format(key)) for key in suite_keys(runs)]
+
+
+def suites_section(groups: dict[tuple, list[Run]], by: list[str]) -> list[str]:
+    """Per choice, mean ± sample std over its seeds of each suite's and source's final metric
+    (start → end for accuracies evaluated before training too); [] when no run has any."""
+    runs = [run for members in groups.values() for run in members]
+    keys = suite_keys(runs)
+    if not keys:
+        return []
+    columns = []
+    for key in keys:
+        scale, fmt, _ = metric_format(key)
+        name = key.removeprefix("eval/")
+        if any(f"{key}_start" in run.summary for run in runs):
+            columns.append((f"{name} start", lambda s, key=key, scale=scale: scaled(s, f"{key}_start", scale), fmt))
+        columns.append((name, lambda s, key=key, scale=scale: scaled(s, key, scale), fmt))
+    body = [list(choice) + [str(len(members))] + column_cells(members, tuple(columns))
+            for choice, members in groups.items()]
+    return [
+        "## Evaluation suites and sources",
+        "",
+        "Each suite of `eval.suites` (its own held-out set and decoding: docs/running.md, \"Evaluation "
+        "suites\") and each source of the held-out examples (`eval/<source>/accuracy`): the final value, "
+        "and before training where it was evaluated. Shares in %, lengths in tokens; mean ± sample "
+        "standard deviation over the choice's seeds.",
+        "",
+        *markdown_table(by + ["n"] + [header for header, _, _ in columns], body),
+        "",
+    ]
