@@ -258,3 +258,33 @@ def test_the_report_tables_and_judges_each_suite(tmp_path):
     assert "### suite or source `words`: response_len (tokens): `eval/words/response_len`, lower is better" in report
     assert "### suite or source `x`: accuracy %" in report
     assert "episode" not in suites and "reliability" not in suites  # the held-out evaluation's own namespaces
+
+
+def test_two_ddp_ranks_with_uneven_shares_give_the_one_process_numbers(tmp_path):
+    """trainer=ddp, 2 ranks, suites of 5 and 3 prompts (shares of 3 and 2, padded with a stand-in):
+    the job finishes (the ranks made the same generate calls), and the final model's greedy suite,
+    evaluated again in one process by posttrain-eval, has the same accuracy and length."""
+    import os
+
+    from conftest import TORCHRUN
+
+    overrides = ["trainer=ddp", "algorithm=sft", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                 "data.min_digits=1", "data.max_digits=1", "eval.num_prompts=5", "eval.batch_size=4",
+                 "eval.at_start=false", "eval.suites={greedy: {num_prompts: 5}, sampled: {num_prompts: 3, samples: 2, "
+                 "metrics: [pass@2, maj@2]}}", "logger=none", "callbacks.progress_bar=none", "num_threads=1",
+                 f"hydra.run.dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    ran = run_command([*TORCHRUN, "-m", "posttrain.train", *overrides], capture_output=True, text=True, env=env,
+                      timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {"eval/sampled/pass@2", "eval/sampled/maj@2"} <= set(summary)
+    assert summary["eval/greedy/accuracy"] == summary["eval/accuracy"]  # the same 5 prompts, greedy
+    ran = run_command([sys.executable, "-m", "posttrain.eval.evaluate", f"checkpoint={tmp_path / 'run'}",
+                       "pass_k=[]", "num_threads=1", f"paths.log_dir={tmp_path / 'eval'}"], capture_output=True,
+                      text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    (results,) = (tmp_path / "eval").glob("eval/runs/*/eval.json")
+    results = json.loads(results.read_text())
+    for key in ("eval/greedy/accuracy", "eval/greedy/response_len"):
+        assert results[key] == pytest.approx(summary[key], abs=1e-6), key
