@@ -288,3 +288,25 @@ def test_two_ddp_ranks_with_uneven_shares_give_the_one_process_numbers(tmp_path)
     results = json.loads(results.read_text())
     for key in ("eval/greedy/accuracy", "eval/greedy/response_len"):
         assert results[key] == pytest.approx(summary[key], abs=1e-6), key
+
+
+def test_the_panel_index_shows_each_runs_suites_at_the_batch_it_shows(tmp_path):
+    from posttrain.eval.report.panel_pages import write_panel_pages
+
+    line = {"prompt": "1+2", "reference": "3", "answer": "3", "response": "3", "reward": 1.0, "components": {},
+            "correct": True, "length": 1, "truncated": False}
+    for name, accuracy in (("a", 0.25), ("b", 0.5)):
+        run_dir = tmp_path / name
+        (run_dir / "panel").mkdir(parents=True)
+        for batch in (0, 4):
+            (run_dir / "panel" / f"batch{batch:06d}.jsonl").write_text(json.dumps({**line, "batch": batch}) + "\n")
+        history = [{"step": 0, "batch": 0, "eval/accuracy": 0.0, "eval/words/accuracy": 0.0},
+                   {"step": 4, "batch": 4, "eval/accuracy": accuracy, "eval/words/accuracy": accuracy,
+                    "eval/words/response_len": 3.5, "eval/reliability/bin00/accuracy": 0.0}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history))
+    index = write_panel_pages([tmp_path / "a", tmp_path / "b"], tmp_path / "pages").read_text()
+    table = index.split("Evaluation suites and sources at batch 4")[1]
+    assert "| metric | a | b |" in table
+    assert "| `eval/words/accuracy` | 25.0 | 50.0 |" in table
+    assert "| `eval/words/response_len` | 3.50 | 3.50 |" in table
+    assert "reliability" not in table

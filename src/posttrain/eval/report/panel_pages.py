@@ -20,7 +20,8 @@ from pathlib import Path
 
 from posttrain.data.sources import json_lines
 from posttrain.errors import DataError
-from posttrain.eval.report.runs import read_overrides
+from posttrain.eval.report.runs import load_history, read_overrides
+from posttrain.eval.report.suites import suite_keys_in, value_cell
 from posttrain.eval.report.tables import markdown_table
 
 PANEL_DIR = "panel"
@@ -173,7 +174,21 @@ def index_page(runs: list[PanelRun], batches: list[int], prompts: list[dict]) ->
         body.append([f"[{number}]({page_name(number)})", code(prompt["prompt"]), code(reference(prompt)), *cells])
     means = [mean_reward(run.answers[last].values()) for run in runs]
     body.append(["", "**mean**", "", *means])
-    return "\n".join(lines + markdown_table(header, body)) + "\n"
+    return "\n".join(lines + markdown_table(header, body) + suites_lines(runs, last)) + "\n"
+
+
+def suites_lines(runs: list[PanelRun], batch: int) -> list[str]:
+    """Each run's evaluation suites and sources (eval/<suite>/<metric>, eval/<source>/accuracy) at
+    batch `batch` (a run's nearest evaluation), from its metrics.jsonl; [] when no run logged any."""
+    histories = [load_history(run.path) for run in runs]
+    keys = suite_keys_in(histories)
+    if not keys:
+        return []
+    body = [[f"`{key}`", *(value_cell(key, history.get(key, {}).get(run.nearest_batch(batch)))
+                           for run, history in zip(runs, histories))] for key in keys]
+    return ["", f"Evaluation suites and sources at batch {batch} (shares in %, lengths in tokens; "
+                "docs/running.md, \"Evaluation suites\"):", "",
+            *markdown_table(["metric", *(escape(run.label) for run in runs)], body)]
 
 
 def prompt_page(runs: list[PanelRun], batches: list[int], prompts: list[dict], number: int) -> str:

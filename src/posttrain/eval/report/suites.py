@@ -1,6 +1,7 @@
 """The evaluation suites (`eval.suites`, algorithms/eval_suites.py) and the held-out accuracy per
 source (`eval/<source>/accuracy`) in posttrain-report: which of a run's summary.json keys they
-are, the report's table of them per choice, and the metrics the verdicts judge."""
+are, the report's table of them per choice, the metrics the verdicts judge, and the value cell
+the panel pages show."""
 
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ NOT_SUITES = ("episode", "reliability", "rewards", "heads")
 
 def suite_keys(runs: list[Run]) -> list[str]:
     """The suites' and sources' final metrics some run's summary.json holds, in first-seen order."""
+    return suite_keys_in([run.summary for run in runs])
+
+
+def suite_keys_in(metric_tables: list[dict]) -> list[str]:
+    """The suites' and sources' metrics among the keys of `metric_tables` (summaries or
+    histories), in first-seen order."""
     keys = []
-    for run in runs:
-        for key in run.summary:
+    for table in metric_tables:
+        for key in table:
             match = SUITE_KEY.fullmatch(key)
             if match and match["name"] not in NOT_SUITES and not match["name"].startswith("thinking@"):
                 keys.append(key)
@@ -73,3 +80,11 @@ def suites_section(groups: dict[tuple, list[Run]], by: list[str]) -> list[str]:
         *markdown_table(by + ["n"] + [header for header, _, _ in columns], body),
         "",
     ]
+
+
+def value_cell(key: str, value: float | None) -> str:
+    """A suite metric as a table shows it: a share in %, a length in tokens; '' when absent."""
+    if value is None:
+        return ""
+    scale, fmt, _ = metric_format(key)
+    return format(scale * value, fmt)
