@@ -310,3 +310,19 @@ def test_the_panel_index_shows_each_runs_suites_at_the_batch_it_shows(tmp_path):
     assert "| `eval/words/accuracy` | 25.0 | 50.0 |" in table
     assert "| `eval/words/response_len` | 3.50 | 3.50 |" in table
     assert "reliability" not in table
+
+
+def test_the_warm_start_evaluates_no_suite_and_its_cache_key_ignores_them(make_config):
+    from omegaconf import OmegaConf
+
+    from posttrain.prepare.warm_start import warm_start_plan
+
+    def plan(*overrides):
+        cfg = make_config("algorithm=grpo", *overrides)
+        OmegaConf.resolve(cfg)
+        return warm_start_plan(cfg)
+
+    plain_cfg, plain_dir = plan()
+    with_suites_cfg, with_suites_dir = plan("eval.suites={s: {samples: 4, metrics: [pass@4]}}")
+    assert with_suites_dir == plain_dir
+    assert plain_cfg.eval.suites is None and with_suites_cfg.eval.suites is None
