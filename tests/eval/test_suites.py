@@ -326,3 +326,10 @@ def test_the_warm_start_evaluates_no_suite_and_its_cache_key_ignores_them(make_c
     with_suites_cfg, with_suites_dir = plan("eval.suites={s: {samples: 4, metrics: [pass@4]}}")
     assert with_suites_dir == plain_dir
     assert plain_cfg.eval.suites is None and with_suites_cfg.eval.suites is None
+
+
+def test_a_suite_may_not_take_a_name_the_held_out_evaluation_logs_under():
+    with pytest.raises(ConfigError, match="the suite name 'reliability' is taken by the held-out evaluation's own"):
+        check_config(compose_config(["eval.suites={reliability: {samples: 1}}"]))
+    with pytest.raises(ConfigError, match="the suite name 'a/b' names its metrics"):
+        check_config(compose_config(["eval.suites={a/b: {samples: 1}}"]))

@@ -406,6 +406,10 @@ class PosttrainModule(L.LightningModule):
                                 *pass_sums, sum(self._eval_proxy)], dtype=torch.float64)
         # per source: the names of the whole held-out set, the same on every rank whatever its share holds
         sources = self.eval_source_names()
+        clash = sorted(set(sources) & {suite.name for suite in self.eval_suites})
+        if clash:  # on every rank alike: the names are the whole set's
+            raise ConfigError(f"eval.suites.{clash[0]}: the held-out examples have a source named {clash[0]!r}, "
+                              f"whose eval/{clash[0]}/accuracy the suite would overwrite; rename the suite")
         by_source = torch.tensor([self._eval_by_source.get(name, [0.0, 0.0]) for name in sources],
                                  dtype=torch.float64).view(-1)
         # calibration: this rank's greedy responses binned by confidence; the bins' sums add over ranks

@@ -44,6 +44,9 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.rollout import SamplingParams
 
 SUITE_NAME = r"[A-Za-z0-9_.-]+"  # it becomes part of a metric's name: no '/'
+# eval/<name>/... that the held-out evaluation logs itself (episodes, the reliability diagram, a
+# reward model's pair rewards and heads, the samples table): no suite may take these names
+EVAL_NAMESPACES = ("episode", "reliability", "rewards", "heads", "samples")
 # accuracy, response_len, or pass@k / maj@k / mean@k with k >= 1
 SUITE_METRIC = r"accuracy|response_len|(pass|maj|mean)@[1-9][0-9]*"
 PER_PROMPT = {"pass": pass_at_k, "mean": mean_at_k}  # maj@k needs the answers too (majority_at_k)
@@ -77,6 +80,9 @@ def suite_problems(name, given) -> list[str]:
     if not re.fullmatch(SUITE_NAME, str(name)):
         problems.append(f"eval.suites: the suite name {name!r} names its metrics (eval/<suite>/accuracy): use "
                         f"letters, digits, '_', '.' or '-'")
+    if name in EVAL_NAMESPACES:
+        problems.append(f"eval.suites: the suite name {name!r} is taken by the held-out evaluation's own "
+                        f"eval/{name}/... metrics; the names {', '.join(EVAL_NAMESPACES)} are")
     problems += option_problems(owner, SUITE_OPTIONS, given)
     if problems:
         return problems

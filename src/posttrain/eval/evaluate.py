@@ -326,8 +326,11 @@ def print_results(results: dict, pass_k: list[int], best_of_n_sizes: list[int]) 
 
 def is_source_key(key: str) -> bool:
     """Whether `key` is `eval/<source>/accuracy` of the held-out examples' sources."""
+    # start-up: it loads torch, which the results are read after
+    from posttrain.algorithms.eval_suites import EVAL_NAMESPACES
+
     parts = key.split("/")
-    return len(parts) == 3 and parts[2] == "accuracy" and parts[1] not in ("episode", "reliability")
+    return len(parts) == 3 and parts[2] == "accuracy" and parts[1] not in EVAL_NAMESPACES
 
 
 def suites_table(results: dict):

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import re
 
+from posttrain.algorithms.eval_suites import EVAL_NAMESPACES
 from posttrain.eval.report.runs import Run
 from posttrain.eval.report.tables import column_cells, markdown_table, scaled
 
 # eval/<suite or source>/<metric>: the metrics a suite logs (a source logs its accuracy)
 SUITE_KEY = re.compile(r"eval/(?P<name>[^/]+)/(?P<metric>accuracy|response_len|(?:pass|maj|mean)@\d+)")
-# eval/<namespace>/... that are the held-out evaluation's own, not a suite's or a source's
-NOT_SUITES = ("episode", "reliability", "rewards", "heads")
 
 
 def suite_keys(runs: list[Run]) -> list[str]:
@@ -28,7 +27,7 @@ def suite_keys_in(metric_tables: list[dict]) -> list[str]:
     for table in metric_tables:
         for key in table:
             match = SUITE_KEY.fullmatch(key)
-            if match and match["name"] not in NOT_SUITES and not match["name"].startswith("thinking@"):
+            if match and match["name"] not in EVAL_NAMESPACES and not match["name"].startswith("thinking@"):
                 keys.append(key)
     return list(dict.fromkeys(keys))
 
