@@ -99,8 +99,9 @@ def play_and_score(module: "PosttrainModule", batch: dict, params: SamplingParam
                    generator: torch.Generator | None = None, source=None) -> Scored:
     """An episode per example of `batch` with the module's environment, turn after turn, each
     generate call over the episodes under way; judged by the environment's verdict where it gives
-    one, else by the task's (`source`'s, None: the module's) verifier on the last turn. The ranks make the same number of calls
-    (under FSDP each is a collective): a rank whose episodes have ended joins with a stand-in."""
+    one, else by the task's (`source`'s; None: the module's) verifier on the last turn. The ranks
+    make the same number of calls (under FSDP each is a collective): a rank whose episodes have
+    ended joins with a stand-in."""
     episodes = Episodes(module.env, module.tokenizer, Budget(params.max_new_tokens, module.turn_tokens,
                                                              module.env.max_turns),
                         stop_token_ids(module.tokenizer, module.policy))
@@ -276,10 +277,10 @@ class PosttrainModule(L.LightningModule):
     eval_seed: int = 0
     eval_calibration_bins: int = 10  # equal-width confidence bins of eval/ece and its reliability diagram
     panel: tuple = ()  # the prompt panel's examples (data/panel.py); empty: no panel
-    eval_suites: tuple = ()  # the evaluation suites (eval_suites.py), evaluated after the held-out prompts
-    eval_rows_per_call: int = 256  # eval.batch_size: rows per generate call of a suite
     panel_dir: Path | None = None
     panel_batch_size: int = 256  # panel prompts per generate call
+    eval_suites: tuple = ()  # the evaluation suites (eval_suites.py), evaluated after the held-out prompts
+    eval_rows_per_call: int = 256  # eval.batch_size: rows per generate call of a suite
 
     def configure_eval(self, eval_cfg, samples_dir: Path | None = None, seed: int = 0,
                        panel_dir: Path | None = None) -> None:
