@@ -132,6 +132,7 @@ def test_two_ranks_make_the_same_calls_and_their_sums_add_up_to_one_process(monk
     ("{s: {data: no_such_task}}", "eval.suites.s.data='no_such_task': there is no data option 'no_such_task'"),
     ("{s: {data: {source: arithmetic, max_digit: 4}}}", "eval.suites.s.data.max_digit is not a key of data=arithmetic"),
     ("{s: {samples: 0}}", "eval.suites.s.samples=0 is not valid"),
+    ("{s: {temperature: 0.7}}", "eval.suites.s.temperature=0.7 is read only with samples > 1"),
 ])
 def test_a_bad_suite_is_refused_at_start_up_naming_its_key(suites, named):
     with pytest.raises(ConfigError) as refused:

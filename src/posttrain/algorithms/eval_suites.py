@@ -97,6 +97,10 @@ def suite_problems(name, given) -> list[str]:
             problems.append(f"{owner}.data.{key} is not a key of data={option} (conf/data/{option}.yaml): "
                             f"its keys are {', '.join(sorted(known))}")
     samples = given.get("samples", 1)
+    if samples == 1 and "temperature" in given:
+        problems.append(f"{owner}.temperature={given['temperature']!r} is read only with samples > 1: "
+                        f"{owner}.samples=1 is one greedy response per prompt; drop the temperature or sample "
+                        f"k > 1 responses")
     for metric in given.get("metrics") or []:
         k = metric_k(metric)
         if k is not None and k > samples:
