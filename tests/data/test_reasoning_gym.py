@@ -4,6 +4,7 @@ only, the splits are deterministic and disjoint, bad task lists are refused at s
 the key, the difficulty schedule raises curriculum levels, the embedded tokenizer knows every
 character, and two GRPO steps run through the CLI on the embedded model."""
 
+import json
 import re
 import sys
 
@@ -134,7 +135,8 @@ def test_an_example_asks_the_question_and_keeps_its_task():
     built = source("data.shots=0", tasks="[{name: basic_arithmetic, size: 5, heldout_size: 2}, {name: chain_sum, size: 5}]")
     entry = gym.create_dataset("chain_sum", seed=0, size=1)[0]
     example = built.example("train", 7)  # after basic_arithmetic's 5
-    assert isinstance(example, TaskExample) and example.task == "chain_sum"
+    assert isinstance(example, TaskExample) and example.task == example.source == "chain_sum"
+    assert built.source_names == ("basic_arithmetic", "chain_sum")  # metrics per task
     assert example.messages == [{"role": "user", "content": example.prompt}]
     assert example.prompt.endswith("\nGive your final answer between <answer> and </answer>.")
     assert example.response == f"<answer>{example.answer}</answer>" and entry["question"].split(":")[0] in example.prompt
@@ -301,6 +303,12 @@ def test_two_grpo_steps_through_the_cli_on_the_embedded_model(tmp_path):
     assert ran.returncode == 0, ran.stderr[-3000:]
     (summary,) = tmp_path.rglob("summary.json")
     assert '"global_step": 2' in summary.read_text() and '"data": "reasoning_gym"' in summary.read_text()
+    (metrics,) = tmp_path.rglob("metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    counts = [sum(row[f"rollout/{task}/count"] for task in ("chain_sum", "basic_arithmetic"))
+              for row in rows if "rollout/chain_sum/count" in row]
+    assert counts == [4, 4]  # each step's 2 prompts x 2 samples, counted under their task
+    assert any("eval/chain_sum/accuracy" in row and "eval/basic_arithmetic/accuracy" in row for row in rows)
 
 
 def test_an_unknown_task_on_the_command_line_fails_before_any_run_directory(tmp_path):

@@ -385,6 +385,9 @@ class ReasoningGymSource:
         self.instruction = ANSWER_FORMATS[answer_format]
         self.checker = AnswerChecker(verify_timeout_s, check=_passes)
         self.task = Difficulty()
+        # the tasks' names, for metrics per task in training and evaluation (rollout/<task>/...,
+        # eval/<task>/accuracy; each example's `source` is its task's name)
+        self.source_names = tuple(dict.fromkeys(spec.name for spec in self.tasks))
         self.prompt_limits = PromptLimits()
         self.step_rule = None  # build_source sets data.step_separators' rule, if any
         self._heldout: dict[int, dict[str, list[TaskExample]]] = {}  # task index -> split -> examples
