@@ -334,3 +334,26 @@ def test_a_suite_may_not_take_a_name_the_held_out_evaluation_logs_under():
         check_config(compose_config(["eval.suites={reliability: {samples: 1}}"]))
     with pytest.raises(ConfigError, match="the suite name 'a/b' names its metrics"):
         check_config(compose_config(["eval.suites={a/b: {samples: 1}}"]))
+
+
+class MixtureOfOne:
+    """A mixture's interface (data/mixture.py): only the example's own source extracts answers."""
+
+    def __init__(self):
+        self.task = LastNumberTask()
+
+    def source_of(self, example):
+        return self.task
+
+    def is_correct(self, example, text: str) -> bool:
+        return self.task.is_correct(example, text)
+
+    def final_answer(self, text: str):
+        raise AssertionError("a mixture's final answer needs the example")
+
+
+def test_a_mixture_votes_with_each_examples_own_source():
+    the_suite = EvalSuite("mixed", MixtureOfOne(), EXAMPLES, 4, SamplingParams(max_new_tokens=4), ("maj@4",),
+                          ("x", "y"))
+    sums = suites_sums(MODULE, [the_suite], scripted_generate_and_score([]), seed=0, rows_per_call=12)
+    assert suites_metrics([the_suite], sums)["eval/mixed/maj@4"] == pytest.approx((1 + 1 / 2 + 0) / 3)

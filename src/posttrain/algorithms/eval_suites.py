@@ -210,10 +210,12 @@ def build_suites(eval_cfg, run_source, tokenizer, seed: int, top_p: float = 1.0,
     return suites
 
 
-def final_answer(source, text: str):
-    """The answer a response votes for in maj@k: the task's extracted final answer (None: none),
-    or for a task that extracts none, the whole response stripped."""
-    extract = getattr(source, "final_answer", None)
+def final_answer(source, example, text: str):
+    """The answer a response to `example` votes for in maj@k: the task's extracted final answer
+    (None: none), or for a task that extracts none, the whole response stripped. In a mixture
+    (data=mixture) the example's own source extracts it."""
+    task = source.source_of(example) if hasattr(source, "source_of") else source
+    extract = getattr(task, "final_answer", None)
     return extract(text) if extract is not None else text.strip()
 
 
@@ -237,7 +239,8 @@ def suite_sums(module, suite: EvalSuite, generate_and_score, generator: torch.Ge
         correct = torch.tensor(scored.correct, dtype=torch.float64).view(-1, n)
         lengths = torch.tensor(scored.lengths, dtype=torch.float64).view(-1, n)
         texts = scored.finals or scored.texts  # an episode votes with its last turn
-        answers = [[final_answer(suite.source, texts[p * n + j]) for j in range(n)] for p in range(len(examples))]
+        answers = [[final_answer(suite.source, examples[p], texts[p * n + j]) for j in range(n)]
+                   for p in range(len(examples))]
         rows = [p for p, counts in enumerate(keep) if counts]
         if not rows:
             continue  # stand-ins only: generated to keep the ranks in step, counted nowhere
