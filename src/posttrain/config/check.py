@@ -79,7 +79,6 @@ RULES: tuple[Rule, ...] = (
     data.digit_range_is_ordered,
     run.eval_split_has_data,
     run.eval_suites_are_well_formed,
-    run.eval_suites_are_well_formed,
     data.dataset_columns_are_named,
     data.reasoning_gym_tasks_are_known,
     data.mixture_sources_are_valid,
