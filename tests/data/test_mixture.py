@@ -316,3 +316,20 @@ def test_two_grpo_steps_on_a_mixture_log_each_sources_accuracy(tmp_path):
         for name in ("two_digit", "doubles"):
             if line[f"rollout/{name}/count"]:
                 assert 0.0 <= line[f"rollout/{name}/accuracy"] <= 1.0
+
+
+def test_best_of_n_reads_each_answer_with_its_examples_own_source(tmp_path):
+    """posttrain-eval's best-of-N on a mixture: the final answers (for majority votes) come from
+    each example's own source, as its verdicts do (the mixture itself extracts none)."""
+    from types import SimpleNamespace
+
+    from posttrain.eval.best_of_n import Judges, judge
+
+    mixture = build_source(sums_and_words(tmp_path))
+    sums, words = mixture.example("validation", 0), mixture.example("validation", 1)
+    assert (sums.source, words.source) == ("sums", "words")
+    samples = [SimpleNamespace(example=sums, response=sums.response), SimpleNamespace(example=sums, response="0"),
+               SimpleNamespace(example=words, response=words.response), SimpleNamespace(example=words, response="x")]
+    judged = judge(samples, mixture, Judges(), num_prompts=2)
+    assert judged.correct.tolist() == [[1.0, 0.0], [1.0, 0.0]]
+    assert judged.answers[0][0] == sums.answer and judged.answers[1][0] == words.answer

@@ -38,6 +38,7 @@ from posttrain.core.options import (POSITIVE, Option, Spec, choice, either, inte
                                     optional, pattern, resolve_options, text)
 from posttrain.data.arithmetic import SPLITS
 from posttrain.data.datamodule import collate_prompts, fit_prompts
+from posttrain.data.examples import judging_source
 from posttrain.data.sources import build_source
 from posttrain.distributed.collectives import rank_and_world, rank_share
 from posttrain.errors import ConfigError, DataError
@@ -214,8 +215,7 @@ def final_answer(source, example, text: str):
     """The answer a response to `example` votes for in maj@k: the task's extracted final answer
     (None: none), or for a task that extracts none, the whole response stripped. In a mixture
     (data=mixture) the example's own source extracts it."""
-    task = source.source_of(example) if hasattr(source, "source_of") else source
-    extract = getattr(task, "final_answer", None)
+    extract = getattr(judging_source(source, example), "final_answer", None)
     return extract(text) if extract is not None else text.strip()
 
 

@@ -26,6 +26,12 @@ class Example:
     source: str | None = None
 
 
+def judging_source(source, example: Example):
+    """The source that judges `example`: in a mixture (data=mixture) the one its `source` names
+    (`source_of`), else `source` itself."""
+    return source.source_of(example) if hasattr(source, "source_of") else source
+
+
 @dataclass(frozen=True)
 class PromptLimits:
     """How long prompts may be, from the `data` config (checked once the tokenizer exists)."""

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from posttrain import core
 from posttrain.core.eval_metrics import shared_answer_verdicts
+from posttrain.data.examples import judging_source
 from posttrain.data.steps import source_step_rule
 from posttrain.errors import ConfigError
 from posttrain.rewards.prm import ORACLE_SCORES, ProcessRewardModel, check_prm_dir, pad_steps
@@ -135,7 +136,7 @@ def judge(samples, source, judges: Judges, num_prompts: int) -> Judged:
     """Verifier, final answers, PRM aggregates and ORM score of P x N samples (prompt-major)."""
     shape = (num_prompts, len(samples) // num_prompts)
     correct = torch.tensor([float(source.is_correct(s.example, s.response)) for s in samples]).view(shape)
-    answers = [source.final_answer(s.response) for s in samples]
+    answers = [judging_source(source, s.example).final_answer(s.response) for s in samples]  # a mixture: its own
     answers = [answers[p * shape[1]:(p + 1) * shape[1]] for p in range(num_prompts)]
     prm = {}
     if judges.prm is not None:
