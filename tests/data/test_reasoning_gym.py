@@ -135,7 +135,7 @@ def test_an_example_asks_the_question_and_keeps_its_task():
     built = source("data.shots=0", tasks="[{name: basic_arithmetic, size: 5, heldout_size: 2}, {name: chain_sum, size: 5}]")
     entry = gym.create_dataset("chain_sum", seed=0, size=1)[0]
     example = built.example("train", 7)  # after basic_arithmetic's 5
-    assert isinstance(example, TaskExample) and example.task == example.source == "chain_sum"
+    assert isinstance(example, TaskExample) and example.source == "chain_sum"
     assert built.source_names == ("basic_arithmetic", "chain_sum")  # metrics per task
     assert example.messages == [{"role": "user", "content": example.prompt}]
     assert example.prompt.endswith("\nGive your final answer between <answer> and </answer>.")
@@ -143,7 +143,7 @@ def test_an_example_asks_the_question_and_keeps_its_task():
     plain = source("data.chat=false", "data.shots=0", tasks="[chain_sum]").example("train", 0)
     assert plain.messages is None and plain.prompt.endswith("</answer>.\n")
     # held-out prompts take the tasks in turn
-    assert [built.example("validation", i).task for i in range(4)] == ["basic_arithmetic", "chain_sum"] * 2
+    assert [built.example("validation", i).source for i in range(4)] == ["basic_arithmetic", "chain_sum"] * 2
     assert built.size("train") == 10 and built.size("validation") == built.size("test") == 2 + 32
 
 

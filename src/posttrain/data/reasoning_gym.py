@@ -22,7 +22,7 @@ An `Example` of the source:
     answer    the reference answer as text (None where the task has none)
     messages  the prompt as one user message, with `data.chat`; after `data.shots` worked
               examples of the same task as earlier user and assistant turns (plain text: before it)
-    task      the task's name (a `TaskExample` field, for per-task metrics)
+    source    the task's name (`Example.source`: metrics per task)
     entry     the reasoning-gym entry the scorer reads (pickled, base64 text)
 
 Correctness: the answer a response gives (`extract_answer`: the content of its last
@@ -339,9 +339,8 @@ def __getattr__(name: str):
 
 @dataclass
 class TaskExample(Example):
-    """An Example that keeps its reasoning-gym task's name and the entry its scorer reads."""
+    """An Example that keeps the entry its reasoning-gym scorer reads (its `source` is the task's name)."""
 
-    task: str | None = None    # the reasoning-gym task's name
     entry: str | None = None   # pack(name, config, entry): what `score` reads
 
 
@@ -385,9 +384,7 @@ class ReasoningGymSource:
         self.instruction = ANSWER_FORMATS[answer_format]
         self.checker = AnswerChecker(verify_timeout_s, check=_passes)
         self.task = Difficulty()
-        # the tasks' names, for metrics per task in training and evaluation (rollout/<task>/...,
-        # eval/<task>/accuracy; each example's `source` is its task's name)
-        self.source_names = tuple(dict.fromkeys(spec.name for spec in self.tasks))
+        self.source_names = tuple(dict.fromkeys(spec.name for spec in self.tasks))  # metrics per task
         self.prompt_limits = PromptLimits()
         self.step_rule = None  # build_source sets data.step_separators' rule, if any
         self._heldout: dict[int, dict[str, list[TaskExample]]] = {}  # task index -> split -> examples
@@ -484,7 +481,7 @@ class ReasoningGymSource:
         messages = [{"role": "user", "content": text}] if self.chat else None
         prompt = text if self.chat else f"{text}\n"
         return TaskExample(prompt, reference_response(answer, self.answer_format), answer, messages=messages,
-                           source=spec.name, task=spec.name, entry=pack(spec.name, config, entry))
+                           source=spec.name, entry=pack(spec.name, config, entry))
 
     def _held_out(self, task: int) -> dict[str, list[TaskExample]]:
         """The task's validation and test examples: distinct questions of its held-out stream, alternately."""
