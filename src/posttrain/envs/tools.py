@@ -403,6 +403,19 @@ def tools_system_prompt(tools: Sequence[Tool]) -> str:
             "Each result comes back in a message from the tool. A reply without a tool call is your final answer.")
 
 
+def with_system_text(messages: Sequence[Mapping], text: str) -> list[dict]:
+    """A copy of the chat `messages` whose system message ends with `text` (after its own text,
+    once); without a system message, one holding `text` goes first."""
+    messages = [dict(m) for m in messages]
+    if messages and messages[0].get("role") == "system":
+        if text not in messages[0]["content"]:
+            own = messages[0]["content"].rstrip()
+            messages[0]["content"] = f"{own}\n\n{text}" if own else text
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+    return messages
+
+
 # --- the environment -------------------------------------------------------------------------
 
 TOOLS = {"calculator": Calculator, "python": PythonTool}
@@ -453,14 +466,8 @@ class ToolEnvironment(Environment):
         system message gets the tools' text after it; without one, a system message is put first.
         A prompt without messages becomes a user message. `prompt` and `answer` are kept; a
         truncated prompt's ids are dropped (they were the old chat's)."""
-        messages = [dict(m) for m in example.messages] if example.messages is not None else \
-            [{"role": "user", "content": example.prompt}]
-        if messages and messages[0].get("role") == "system":
-            if self.system_prompt not in messages[0]["content"]:
-                own = messages[0]["content"].rstrip()
-                messages[0]["content"] = f"{own}\n\n{self.system_prompt}" if own else self.system_prompt
-        else:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        messages = with_system_text(example.messages if example.messages is not None else
+                                    [{"role": "user", "content": example.prompt}], self.system_prompt)
         if self.demonstration and messages[1:1 + len(self.demonstration)] != self.demonstration:
             messages[1:1] = [dict(m) for m in self.demonstration]
         return dataclasses.replace(example, messages=messages, prompt_ids=None)

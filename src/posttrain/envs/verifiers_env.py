@@ -48,7 +48,8 @@ from posttrain.data.examples import Example
 from posttrain.data.verifiers_source import (VerifiersSource, import_verifiers, load_verifiers_environment,
                                              task_from_example)
 from posttrain.envs.base import Environment, Reply, Turn
-from posttrain.envs.tools import MalformedCall, Tool, ToolOutput, parse_tool_calls, tools_system_prompt
+from posttrain.envs.tools import (MalformedCall, Tool, ToolOutput, parse_tool_calls, tools_system_prompt,
+                                  with_system_text)
 from posttrain.errors import ConfigError, DataError, RewardError
 
 CUT = object()  # what a seat's pending turn receives when posttrain asks for no more turns
@@ -159,13 +160,8 @@ class VerifiersEnvironment(Environment):
         """With tools: the example's system message describes them (after its own text)."""
         if self.system_prompt is None or example.messages is None:
             return example
-        messages = [dict(m) for m in example.messages]
-        if messages[0].get("role") == "system":
-            if self.system_prompt not in messages[0]["content"]:
-                messages[0]["content"] = f"{messages[0]['content'].rstrip()}\n\n{self.system_prompt}"
-        else:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return dataclasses.replace(example, messages=messages, prompt_ids=None)
+        return dataclasses.replace(example, messages=with_system_text(example.messages, self.system_prompt),
+                                   prompt_ids=None)
 
     def start(self, example: Example) -> VerifiersEpisode:
         return VerifiersEpisode(self, example)
