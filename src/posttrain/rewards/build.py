@@ -68,8 +68,8 @@ def build_reward(reward_cfg: DictConfig, source, max_new_tokens: int, *, policy=
     reward, with that source (rewards/mixture.py).
     """
     if isinstance(source, MixtureSource):
-        return build_mixture_reward(reward_cfg, source, lambda cfg: build_reward(
-            cfg, None, max_new_tokens, policy=policy, tokenizer=tokenizer))
+        return build_mixture_reward(reward_cfg, source, lambda cfg, member: build_reward(
+            cfg, member, max_new_tokens, policy=policy, tokenizer=tokenizer))
     cfg = OmegaConf.to_container(reward_cfg, resolve=True) if isinstance(reward_cfg, DictConfig) else dict(reward_cfg)
     unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
     if unknown:

@@ -122,10 +122,11 @@ def combined_metrics(outputs: dict[str, RewardOutput], rows: dict[str, list[int]
 
 
 def build_mixture_reward(reward_cfg, mixture, build: Callable[..., CompositeReward]) -> MixtureReward:
-    """`build(reward_cfg)` (rewards/build.py's build_reward with the run's settings) for the run's
-    reward and each source's own."""
-    default = build(reward_cfg)
+    """`build(reward_cfg, source)` (rewards/build.py's build_reward with the run's settings) for
+    the run's reward (shared by several sources: built with none) and each source's own (built
+    with the source it judges)."""
+    default = build(reward_cfg, None)
     rewards = {name: default if mixture.rewards.get(name) is None else
-               build(source_reward_config(reward_cfg, mixture.rewards[name], name))
+               build(source_reward_config(reward_cfg, mixture.rewards[name], name), mixture.sources[name])
                for name in mixture.source_names}
     return MixtureReward(rewards, mixture.sources, default)
