@@ -475,9 +475,8 @@ class ReasoningGymSource:
         return config, entries()
 
     def _make(self, spec: TaskSpec, config: dict, entry: dict) -> TaskExample:
-        question = str(entry["question"]).rstrip()
         answer = None if entry.get("answer") is None else str(entry["answer"])
-        text = f"{question}\n{self.instruction}"
+        text = f"{str(entry['question']).rstrip()}\n{self.instruction}"  # the question, then the answer format
         messages = [{"role": "user", "content": text}] if self.chat else None
         prompt = text if self.chat else f"{text}\n"
         return TaskExample(prompt, reference_response(answer, self.answer_format), answer, messages=messages,
