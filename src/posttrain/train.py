@@ -173,6 +173,8 @@ def build_module(cfg: DictConfig, policy, tokenizer, source):
         components = dict(kl_estimator=cfg.kl_estimator, advantage=cfg.advantage, reward=cfg.reward,
                           data_curriculum=cfg.data_curriculum, roles=cfg.roles, cache_dir=cfg.paths.cache_dir,
                           seed=cfg.seed, env=cfg.env)
+    elif cfg.algorithm.kind == "offline":
+        components = dict(env=cfg.env)  # SFT on an environment's worked episodes (envs/worked.py)
     elif cfg.algorithm.kind == "preference":
         components = dict(roles=cfg.roles)  # roles.reference: what DPO's frozen reference is
     try:

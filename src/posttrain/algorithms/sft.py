@@ -1,11 +1,17 @@
-"""Supervised fine-tuning: next-token cross-entropy on completion tokens only."""
+"""Supervised fine-tuning: next-token cross-entropy on completion tokens only. With an
+environment (`env=...`) it trains on the environment's worked episodes, the environment's
+replies masked out (envs/worked.py), and held-out prompts are played as episodes."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 
+from functools import partial
+
 from posttrain.algorithms.base import OfflineModule
 from posttrain.data.datamodule import collate_sft
+from posttrain.envs.build import build_env, turn_tokens
+from posttrain.envs.worked import collate_worked_episodes
 from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
 
 
@@ -13,9 +19,12 @@ class SFTModule(OfflineModule):
     train_collate = staticmethod(collate_sft)
 
     def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, batch_size,
-                 max_grad_norm=1.0):
+                 max_grad_norm=1.0, env=None):
         super().__init__(policy, tokenizer, source, optim, rollout, eval_max_new_tokens, max_grad_norm)
         self.batch_size = batch_size
+        self.env, self.turn_tokens = build_env(env, source), turn_tokens(env)
+        if self.env is not None:
+            self.train_collate = partial(collate_worked_episodes, env=self.env)
 
     def training_step(self, batch, batch_idx):
         logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

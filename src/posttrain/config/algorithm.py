@@ -71,6 +71,10 @@ SPECS: dict[str, Spec] = {
     "algorithm.warm_start.eval_every": integer(1).about("SFT steps between held-out evaluations"),
     "algorithm.warm_start.lr": POSITIVE.about("learning rate"),
     "algorithm.warm_start.batch_size": integer(1),
+    "algorithm.warm_start.pretrained": boolean().about("also warm-start a pretrained policy (model.name_or_path); "
+                                                       "set steps and lr for it: the defaults are the embedded model's"),
+    "algorithm.warm_start.with_env": boolean().about("train on the environment's worked episodes (envs/worked.py): "
+                                                     "its prompts, its tools' calls, their results masked"),
     # the reward model (algorithm=reward_model), trained on the preference pairs (preference.py)
     "algorithm.margin": number().about("Bradley-Terry margin m: -log sigma(s_w - s_l - m)"),
     "algorithm.center_coef": number(0).about("reward centering: + center_coef (s_w + s_l)^2"),
@@ -97,6 +101,8 @@ def offline_algorithm_takes_no_online_components(v: Values):
         return
     algorithm = v.algorithm()
     for group in ONLINE_ONLY_GROUPS:
+        if group == "env" and v["algorithm.kind"] == "offline":
+            continue  # SFT trains on an environment's worked episodes (envs/worked.py)
         option = v.get(f"{group}.name", "none")
         if option != "none":
             yield (f"algorithm={algorithm} trains offline on fixed data, so {group}={option} has no effect; "

@@ -63,7 +63,8 @@ class Environment:
     characters of its task source only: an environment for it replies in those; a character
     it lacks is an error naming it.) Subclasses implement `start`, and may override `prepare` (the
     prompt an episode starts from: a system prompt describing tools, say), `check` (a start-up
-    check of what the environment needs, like the sandbox's isolation) and `attach`."""
+    check of what the environment needs, like the sandbox's isolation), `attach` and
+    `worked_episode` (a demonstration for SFT)."""
 
     name = "environment"
     # the counts its replies report (Reply.metrics): held-out evaluation reduces these over the ranks
@@ -83,6 +84,14 @@ class Environment:
 
     def check(self) -> None:
         """Raise a ConfigError when this machine cannot run the environment as configured."""
+
+    def worked_episode(self, example: Example) -> list[dict] | None:
+        """A worked episode of `example` as chat messages after its prompt: the policy's turns
+        ("assistant") and the environment's replies ("tool", "user"), ending with a policy turn.
+        SFT with this environment (`algorithm=sft env=...`, `algorithm.warm_start.with_env`)
+        trains on the policy's turns, the replies masked out (envs/worked.py). None: it has
+        none, and the SFT target is the example's reference response."""
+        return None
 
     def attach(self, source) -> None:
         """Called once with the run's task source. An environment that is the only judge of the

@@ -256,6 +256,24 @@ class Calculator(Tool):
         except RecursionError:
             raise ToolError("the expression is nested too deeply") from None
 
+    def worked_steps(self, reference: str) -> list[tuple[str, str]]:
+        """The arithmetic of a reference solution as calls: each line "expression = value" whose
+        expression this calculator evaluates to that value, as (expression, result text), its
+        operators written in ASCII (× -> *)."""
+        steps = []
+        for line in reference.splitlines():
+            match = _WORKED_LINE.fullmatch(line.strip())
+            if match is None:
+                continue
+            expression = match["expression"].replace("×", "*").replace("÷", "/").replace("−", "-").strip()
+            try:
+                value = self.evaluate(expression)
+            except ToolError:
+                continue
+            if math.isclose(value, float(match["value"])):
+                steps.append((expression, format_number(value)))
+        return steps
+
     def _value(self, node: ast.AST) -> int | float:
         if isinstance(node, ast.Constant):
             if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
@@ -294,6 +312,10 @@ class Calculator(Tool):
         if isinstance(value, float) and not math.isfinite(value):
             raise ToolError("the result is too large" if math.isinf(value) else "the result is not a number")
         return value
+
+
+# a line of a worked solution: "12 + 3 × 4 = 24" (an expression with an operator, its value)
+_WORKED_LINE = re.compile(r"(?P<expression>[\d.\s()]+(?:[-+*/×÷−][\d.\s()]+)+)=\s*(?P<value>-?\d+(?:\.\d+)?)")
 
 
 def format_number(value: int | float) -> str:
@@ -389,6 +411,11 @@ def _clip(text: str, limit: int, keep: str) -> str:
 
 # --- the system prompt -----------------------------------------------------------------------
 
+def format_tool_call(name: str, arguments: Mapping) -> str:
+    """One call as the policy writes it (what `parse_tool_calls` reads back)."""
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': dict(arguments)}, ensure_ascii=False)}\n{CLOSE}"
+
+
 def tools_system_prompt(tools: Sequence[Tool]) -> str:
     """The system-prompt text describing `tools`, in Qwen2.5's wording (the Hermes function-calling
     convention): a <tools> block of JSON signatures, and how to call them."""
@@ -474,6 +501,24 @@ class ToolEnvironment(Environment):
 
     def start(self, example: Example) -> ToolEpisode:
         return ToolEpisode(self, example)
+
+    def worked_episode(self, example: Example) -> list[dict] | None:
+        """With the calculator: the reference solution's arithmetic lines (`Calculator.worked_steps`)
+        as calls, one per turn while turns last (the rest together in the last turn that may call),
+        each answered by the calculator's result, then the reference response as the final answer.
+        None when the reference has no such line (or the calculator is not among the tools)."""
+        calculator = self.tools.get("calculator")
+        steps = calculator.worked_steps(example.response) if calculator is not None else []
+        if not steps or self.max_turns < 2:
+            return None
+        call_turns = min(len(steps), self.max_turns - 1)
+        turns = [[step] for step in steps[:call_turns - 1]] + [steps[call_turns - 1:]]
+        messages = []
+        for turn in turns:
+            messages.append({"role": "assistant", "content": "\n".join(
+                format_tool_call("calculator", {"expression": expression}) for expression, _ in turn)})
+            messages += [{"role": "tool", "content": result} for _, result in turn]
+        return messages + [{"role": "assistant", "content": example.response}]
 
     def check(self) -> None:
         for tool in self.tools.values():

@@ -74,9 +74,10 @@ def warm_start_plan(cfg: DictConfig) -> tuple[DictConfig, Path] | None:
         return None
     if cfg.model.init_from:
         return None  # (a resumed run finds its warm start in the cache: its frozen roles start there)
-    if cfg.model.name_or_path:
+    if cfg.model.name_or_path and not settings.get("pretrained", False):
         # a pretrained policy starts from its own weights: the warm start's settings (3000
         # steps at lr 3e-3) are the embedded model's, and would wreck an instruct model
+        # (`warm_start.pretrained: true` with its own steps and lr asks for one all the same)
         return None
     return sft_plan(cfg, settings, "algorithm.warm_start", "warm_start")
 
@@ -106,7 +107,8 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
             sft_cfg.data.seed = sft_cfg.seed
         for group in ("advantage", "kl_estimator", "data_curriculum"):
             sft_cfg[group] = {"name": "none"}
-        sft_cfg.env = {"name": "none", "_target_": None}  # the task's reference responses: no episodes
+        if not settings.get("with_env", False):  # the task's reference responses, not worked episodes
+            sft_cfg.env = {"name": "none", "_target_": None}
         # how the RL run collects and corrects its rollout batches: an SFT run samples none
         for key, off in ONLINE_ROLLOUT_KEYS.items():
             if OmegaConf.select(sft_cfg, f"rollout.{key}") is not None:
@@ -135,10 +137,11 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
         if "suites" in sft_cfg.eval:  # so are the evaluation suites
             sft_cfg.eval.suites = None
         sft_cfg.logger = {"backend": "none"}
-    identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer", "eval"])
+    identity_cfg = OmegaConf.masked_copy(sft_cfg, ["algorithm", "model", "data", "seed", "trainer", "eval", "env"])
     identity_cfg.stop_at_accuracy = target_accuracy
     identity_cfg.code = code_version(sft_entries(sft_cfg))
-    identity_cfg.trainer.pop("default_root_dir", None)  # the run dir must not change the key
+    if "default_root_dir" in identity_cfg.trainer:  # the run dir must not change the key (del: it is not resolved)
+        del identity_cfg.trainer["default_root_dir"]
     identity_cfg.model.pop("lora", None)  # off in the warm start, whatever the RL run's adapter
     identity_cfg.eval.pop("panel", None)  # off in the warm start, whatever the RL run's panel
     identity_cfg.eval.pop("suites", None)  # off in the warm start, whatever the RL run's suites
@@ -166,5 +169,6 @@ def sft_entries(sft_cfg: DictConfig) -> tuple[str, ...]:
             for value in node:
                 visit(value)
 
-    visit(OmegaConf.to_container(OmegaConf.masked_copy(sft_cfg, ["algorithm", "trainer"]), resolve=True))
+    for group in ("algorithm", "trainer", "env"):  # resolved in place: an interpolation may point outside the group
+        visit(OmegaConf.to_container(sft_cfg[group], resolve=True))
     return tuple(dict.fromkeys([*SFT_ENTRIES, *sorted(targets)]))
