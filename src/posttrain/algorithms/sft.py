@@ -4,9 +4,9 @@ replies masked out (envs/worked.py), and held-out prompts are played as episodes
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from functools import partial
+
+import torch.nn.functional as F
 
 from posttrain.algorithms.base import OfflineModule
 from posttrain.data.datamodule import collate_sft

@@ -115,7 +115,12 @@ def collate_sft(examples: list[Example], tokenizer) -> dict:
         response = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + response)
         labels.append([-100] * len(prompt) + response)
-    input_ids, attention_mask, label_ids = right_padded(rows, labels, tokenizer.pad_token_id)
+    return sft_batch(rows, labels, tokenizer.pad_token_id)
+
+
+def sft_batch(rows: list[list[int]], labels: list[list[int]], pad_id: int) -> dict:
+    """An SFT batch (input_ids, attention_mask, labels) of token rows and their labels, right-padded."""
+    input_ids, attention_mask, label_ids = right_padded(rows, labels, pad_id)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": label_ids}
 
 

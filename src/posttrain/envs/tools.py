@@ -236,7 +236,7 @@ class Calculator(Tool):
 
     def evaluate(self, expression: str) -> int | float:
         """The value of `expression`; ToolError for anything but bounded arithmetic."""
-        text = expression.strip().replace("×", "*").replace("÷", "/").replace("−", "-")
+        text = ascii_operators(expression.strip())
         if not text:
             raise ToolError("the expression is empty")
         if len(text) > self.MAX_CHARS:
@@ -265,7 +265,7 @@ class Calculator(Tool):
             match = _WORKED_LINE.fullmatch(line.strip())
             if match is None:
                 continue
-            expression = match["expression"].replace("×", "*").replace("÷", "/").replace("−", "-").strip()
+            expression = ascii_operators(match["expression"]).strip()
             try:
                 value = self.evaluate(expression)
             except ToolError:
@@ -316,6 +316,11 @@ class Calculator(Tool):
 
 # a line of a worked solution: "12 + 3 × 4 = 24" (an expression with an operator, its value)
 _WORKED_LINE = re.compile(r"(?P<expression>[\d.\s()]+(?:[-+*/×÷−][\d.\s()]+)+)=\s*(?P<value>-?\d+(?:\.\d+)?)")
+
+
+def ascii_operators(text: str) -> str:
+    """`text` with the typeset operators a solution may write (× ÷ −) as Python's (* / -)."""
+    return text.replace("×", "*").replace("÷", "/").replace("−", "-")
 
 
 def format_number(value: int | float) -> str:

@@ -12,7 +12,7 @@ trains on its reference response after the prepared prompt, as plain SFT does.
 
 from __future__ import annotations
 
-from posttrain.data.datamodule import prompt_token_ids, right_padded
+from posttrain.data.datamodule import prompt_token_ids, sft_batch
 from posttrain.data.examples import Example
 from posttrain.envs.base import Environment, Reply, observation_ids
 
@@ -47,5 +47,4 @@ def worked_episode_row(env: Environment, example: Example, tokenizer) -> tuple[l
 def collate_worked_episodes(examples: list[Example], tokenizer, env: Environment) -> dict:
     """`collate_sft`'s batch (input_ids, attention_mask, labels), from worked episodes."""
     rows, labels = zip(*(worked_episode_row(env, example, tokenizer) for example in examples))
-    input_ids, attention_mask, label_ids = right_padded(list(rows), list(labels), tokenizer.pad_token_id)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": label_ids}
+    return sft_batch(list(rows), list(labels), tokenizer.pad_token_id)
