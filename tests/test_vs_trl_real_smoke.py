@@ -101,6 +101,7 @@ def test_word_problem_overrides_load_the_model_as_itself_on_the_task(vs_trl, tmp
     assert not any(o.startswith("model.init_from=") for o in overrides)
 
 
+@pytest.mark.slow  # 22 s for both; the workers' step and floor paths run in the test above
 @pytest.mark.parametrize("framework", ["posttrain", "trl"])
 def test_word_problem_accuracy_workers_record_a_curve_on_the_held_out_problems(tiny_hf_model, tmp_path, framework):
     if framework == "trl":

@@ -138,7 +138,8 @@ def metric_rows(summary_dir) -> dict[tuple[int, str], float]:
     return rows
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+# whole: 24 s, slow; a producer of whole responses also runs below (ahead) and in tests/envs/test_episodes.py
+@pytest.mark.parametrize("partial", [pytest.param(False, marks=pytest.mark.slow), True], ids=["whole", "partial"])
 def test_a_producer_at_staleness_0_is_the_synchronous_pipeline(make_config, sft_start, tmp_path, partial):
     """The producer process draws the same prompts, samples with the same weights and seeds,
     and gets the curriculum's feedback before each batch: every metric equals the trainer's own."""

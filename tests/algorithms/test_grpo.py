@@ -142,6 +142,7 @@ def test_warm_start_is_trained_once_and_shared(make_config, tmp_path, caplog):
     assert own["warm_start"] != first["warm_start"]  # null: the warm start follows the run's seed
 
 
+@pytest.mark.slow  # trains to an accuracy (24 s); the target's arithmetic is tested without training
 def test_warm_start_can_stop_at_an_accuracy_target(make_config, tmp_path):
     """until_accuracy ends the warm start at the first eval at or above the target; the
     step count is then only a cap, and the target is part of the cache key."""

@@ -126,6 +126,7 @@ def posttrain(tmp_path, name, *overrides):
     return out, result
 
 
+@pytest.mark.slow  # 3 CLI runs (68 s); the budget's counting, checkpoint and stop are tested on the module
 def test_a_deliberately_mismatched_run_is_marked_invalid_and_a_stopped_one_writes_no_summary(tmp_path):
     """End to end, as a user runs it: a bf16 sampler against a budget no bf16 sampler meets.
     With action=warn the run finishes, its summary counts the batches over budget and

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -12,6 +13,7 @@ from conftest import FAST_RUN
 EASY = ("data.min_digits=2", "data.max_digits=2")
 
 
+@pytest.mark.slow  # a learning run (66 s); CI runs the SFT CLI and resume
 def test_default_sft_run_reaches_the_issue_accuracy(make_config, tmp_path):
     """The `sft_tiny` preset (3-digit addition) from random init to >= 90% held-out greedy
     accuracy; about a minute on 2 CPU cores."""

@@ -117,6 +117,7 @@ def test_two_sft_ranks_average_to_the_global_token_mean_gradient(make_config, tm
         torch.testing.assert_close(g0, param.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow  # the README's torchrun command runs the same job in CI
 def test_the_cli_trains_with_two_processes_under_torchrun(sft_start, tmp_path):
     overrides = ["trainer=ddp", "algorithm=grpo", f"model.init_from={sft_start}", "data.min_digits=2",
                  "data.max_digits=2", "algorithm.prompts_per_step=2", "algorithm.group_size=4",

@@ -15,15 +15,20 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("verifiers.v1", reason="pip install 'posttrain[verifiers]'")
+from posttrain.config.check import check_config
+from posttrain.data.examples import Example
+from posttrain.data.verifiers_source import VerifiersSource, load_verifiers_environment
+from posttrain.envs.base import Turn, observation_ids
+from posttrain.envs.verifiers_env import VerifiersEnvironment
+from posttrain.errors import ConfigError, RewardError
+from posttrain.models.tiny import build_char_tokenizer
 
-from posttrain.config.check import check_config  # noqa: E402
-from posttrain.data.examples import Example  # noqa: E402
-from posttrain.data.verifiers_source import VerifiersSource, load_verifiers_environment  # noqa: E402
-from posttrain.envs.base import Turn, observation_ids  # noqa: E402
-from posttrain.envs.verifiers_env import VerifiersEnvironment  # noqa: E402
-from posttrain.errors import ConfigError, RewardError  # noqa: E402
-from posttrain.models.tiny import build_char_tokenizer  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def verifiers_installed():
+    """Imported by the tests, not at collection: verifiers takes 10 s to import, and every xdist
+    worker collects this file while one runs it."""
+    pytest.importorskip("verifiers.v1", reason="pip install 'posttrain[verifiers]'")
 
 # Three environments a user would write, as modules on the path (verifiers finds a package by its
 # module name: `vf_sums` exports its Taskset in __all__; the others are loaded by function).

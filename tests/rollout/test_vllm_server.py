@@ -247,6 +247,7 @@ class TestServed:
         steps = [m for m in metrics if "episode/turns" in m]
         assert steps and all(m["rollout/mismatch/abs_log_ratio_max"] < 1e-3 for m in steps)
 
+    @pytest.mark.slow  # 62 s (a server and two ranks); CI runs the other served cases: -m 'vllm and slow' runs it
     def test_two_ddp_ranks_share_one_server(self, sft_start, tmp_path):
         """Under torchrun both ranks sample through one server (one directory, one start), each
         with its own requests; their weights are the same, so one push serves both."""

@@ -43,6 +43,7 @@ def kill_after_first_checkpoint(run_dir, process) -> None:
     assert not alive, f"producer processes outlived their trainer: {alive}"
 
 
+@pytest.mark.slow  # 42 s; CI keeps the kill -9 of a producer ahead
 def test_kill_9_with_a_producer_at_staleness_0_resumes_as_the_synchronous_run(straight_partial, sft_start, tmp_path):
     run_dir = tmp_path / "run"
     process = start(run_dir, sft_start, *PARTIAL, "rollout.producer=process")

@@ -141,7 +141,8 @@ def kill_job(process: subprocess.Popen | ForkedJob) -> None:
     process.wait()
 
 
-@pytest.mark.parametrize("trainer", ["ddp", "fsdp"])  # a checkpoint file; a directory of shards
+# a checkpoint file; a directory of shards (fsdp: 33 s, slow; its sharded resume runs in tests/distributed/test_fsdp.py)
+@pytest.mark.parametrize("trainer", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_kill_9_of_a_two_rank_job_then_resume_logs_what_the_uninterrupted_job_logged(trainer, sft_start, tmp_path):
     from conftest import TORCHRUN
 
@@ -167,7 +168,7 @@ def test_kill_9_of_a_two_rank_job_then_resume_logs_what_the_uninterrupted_job_lo
     assert_continues_exactly(run_dir, straight_job, from_step)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])  # one path
 def test_a_signal_stops_the_run_with_a_checkpoint_and_a_non_zero_exit(signum, straight, sft_start, tmp_path):
     run_dir = tmp_path / "run"
     process = start(run_dir, sft_start)
@@ -312,6 +313,7 @@ def submitit_sweep(tmp_path: Path, sft_start: Path, *extra: str) -> subprocess.P
     return start_command(command, env=env)
 
 
+@pytest.mark.slow  # 28 s; CI keeps submitit's requeue and the two-rank kill -9 under ddp
 def test_submitit_job_of_two_tasks_trains_as_two_ranks(sft_start, tmp_path):
     code, output = finish(submitit_sweep(tmp_path, sft_start, "trainer=ddp", "logger=none", "trainer.max_steps=2"),
                           timeout=300)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,29 +63,43 @@ def module_files(root: Path) -> dict[str, Path]:
     return modules
 
 
-def lazy_import_comments(tree: ast.AST, lines: list[str]) -> dict[int, str]:
+def statement_lists(tree: ast.Module, in_function: bool = False) -> Iterator[tuple[list[ast.stmt], bool]]:
+    """Each list of statements in `tree` (a body, an `else`, a `finally`, an `except` or `case`
+    body) and whether it lies inside a function. Imports are statements, so these hold all of
+    them; expressions, the bulk of a tree, are never visited (a walk of every node cost about
+    half a second of each run's start-up)."""
+    pending = [(tree.body, in_function)]
+    while pending:
+        body, inside = pending.pop()
+        yield body, inside
+        for statement in body:
+            nested = inside or isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for name in ("body", "orelse", "finalbody"):
+                inner = getattr(statement, name, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    pending.append((inner, nested))
+            for clause in [*getattr(statement, "handlers", []), *getattr(statement, "cases", [])]:
+                pending.append((clause.body, nested))
+
+
+def lazy_import_comments(tree: ast.Module, lines: list[str]) -> dict[int, str]:
     """For each import written inside a function, by line: the text of the lines from the one
     above its block of consecutive import statements to the block's last line (where its reason
     is written, as tests/test_layers.py reads it)."""
     comments = {}
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    for body, inside in statement_lists(tree):
+        if not inside:
             continue
-        for inner in ast.walk(node):
-            for attribute in ("body", "orelse", "finalbody"):
-                body = getattr(inner, attribute, None)
-                if not isinstance(body, list):
-                    continue
-                block: list[ast.stmt] = []
-                for statement in [*body, None]:
-                    if isinstance(statement, (ast.Import, ast.ImportFrom)):
-                        block.append(statement)
-                        continue
-                    if block:
-                        text = " ".join(lines[max(block[0].lineno - 2, 0): block[-1].end_lineno])
-                        for imp in block:
-                            comments[imp.lineno] = text
-                    block = []
+        block: list[ast.stmt] = []
+        for statement in [*body, None]:
+            if isinstance(statement, (ast.Import, ast.ImportFrom)):
+                block.append(statement)
+                continue
+            if block:
+                text = " ".join(lines[max(block[0].lineno - 2, 0): block[-1].end_lineno])
+                for imp in block:
+                    comments[imp.lineno] = text
+            block = []
     return comments
 
 
@@ -106,7 +121,7 @@ def read_module(name: str, path: Path) -> Module:
     package = name if is_package else name.rpartition(".")[0]
     lazy = lazy_import_comments(tree, text.splitlines())
     names_from: dict[str, tuple[str, str]] = {}  # what the module's top-level `from` imports name
-    for node in ast.walk(tree):
+    for node in (statement for body, _ in statement_lists(tree) for statement in body):
         if isinstance(node, ast.Import):
             targets = [(alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
