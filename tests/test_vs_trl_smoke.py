@@ -55,14 +55,18 @@ def check_worker_result(vs_trl, result: dict, framework: str, kl: str) -> None:
     assert memory["frozen_with_grad"] == 0 and memory["frozen_with_optimiser_state"] == 0
 
 
-@pytest.mark.parametrize("kl", ["k3", "none"])
+# without KL: the same worker less the reference (slow, as the one of TRL)
+WITH_AND_WITHOUT_KL = ["k3", pytest.param("none", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kl", WITH_AND_WITHOUT_KL)
 def test_posttrain_worker_reports_steps_split_and_memory(vs_trl, embedded_hf_model, tmp_path, kl):
     result = run_worker("posttrain", kl, embedded_hf_model, tmp_path / "result.json")
     check_worker_result(vs_trl, result, "posttrain", kl)
     assert result["memory"]["frozen_requires_grad"] == 0  # posttrain freezes its reference
 
 
-@pytest.mark.parametrize("kl", ["k3", "none"])
+@pytest.mark.parametrize("kl", WITH_AND_WITHOUT_KL)
 def test_trl_worker_reports_steps_split_and_memory(vs_trl, embedded_hf_model, tmp_path, kl):
     pytest.importorskip("trl")
     result = run_worker("trl", kl, embedded_hf_model, tmp_path / "result.json")
@@ -71,7 +75,8 @@ def test_trl_worker_reports_steps_split_and_memory(vs_trl, embedded_hf_model, tm
         assert result["split_s"]["logprobs"] == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("framework", ["posttrain", "trl"])
+# TRL's own micro-batching is TRL's (14 s, slow); posttrain's split runs in CI
+@pytest.mark.parametrize("framework", ["posttrain", pytest.param("trl", marks=pytest.mark.slow)])
 def test_a_micro_batch_size_splits_each_update_into_that_many_rows(vs_trl, embedded_hf_model, tmp_path, framework):
     pytest.importorskip("trl")
     whole = run_worker(framework, "none", embedded_hf_model, tmp_path / "whole.json")

@@ -110,6 +110,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     datamodule = PosttrainDataModule(
         source, tokenizer, batch_size=module.batch_size, train_collate=module.train_collate,
         eval_on_pairs=getattr(module, "eval_on_pairs", False), eval_collate=getattr(module, "eval_collate", None),
+        sft_row_length=getattr(module, "sft_row_length", None),
         eval_split=cfg.eval.split, eval_num_prompts=cfg.eval.num_prompts,
         eval_batch_size=cfg.eval.batch_size, seed=cfg.seed,
     )

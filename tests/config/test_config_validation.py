@@ -3,6 +3,8 @@ every option of every group passes as composed, and a bad value or combination i
 ConfigError naming the key, the value and what is allowed (from the CLI: no traceback, no
 run directory)."""
 
+import copy
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -65,7 +67,13 @@ def context(group: str, option: str) -> tuple[str, ...]:
 
 
 def compose(*overrides: str):
-    """The config `posttrain <overrides>` hands to check_config: composed and resolved."""
+    """The config `posttrain <overrides>` hands to check_config: composed and resolved (a copy:
+    the spec and validation tests of each option compose it once between them)."""
+    return copy.deepcopy(composed(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def composed(overrides: tuple[str, ...]):
     cfg = compose_config(list(overrides))
     OmegaConf.resolve(cfg)
     return cfg

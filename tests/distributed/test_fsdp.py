@@ -258,6 +258,7 @@ def test_a_ddp_checkpoint_resumes_exactly(ddp_run, tmp_path):
         torch.testing.assert_close(resumed[0]["weights"][name], value, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # 20 s; FSDP2 trains on 2 ranks in CI in tests/distributed/test_uneven_ranks.py and the cases above
 def test_the_cli_trains_with_fsdp_under_torchrun(tmp_path):
     """run() end to end: held-out evaluation before and after (generation gathers the
     weights), a distributed checkpoint directory, the consolidated Hugging Face export."""

@@ -6,14 +6,17 @@ through the CLI."""
 from __future__ import annotations
 
 import string
+from functools import partial
 
 import pytest
 
-from posttrain.data.examples import Example
+from posttrain.data.datamodule import fit_prompts, sft_row_length
+from posttrain.data.examples import Example, ListSource
+from posttrain.errors import DataError
 from posttrain.envs.base import Reply, Turn, observation_ids
 from posttrain.envs.guess_number import GuessNumber
 from posttrain.envs.tools import Calculator, ToolEnvironment, parse_tool_calls
-from posttrain.envs.worked import IGNORED, collate_worked_episodes, worked_episode_row
+from posttrain.envs.worked import IGNORED, collate_worked_episodes, worked_episode_row, worked_row_length
 from posttrain.models.tiny import build_char_tokenizer
 from test_tools import SMOLLM2_TEMPLATE
 
@@ -118,6 +121,24 @@ def test_the_batch_is_right_padded_with_masked_labels(chatml_tokenizer):
         assert batch["attention_mask"][i].sum() == len(ids) and (batch["labels"][i, len(ids):] == IGNORED).all()
 
 
+def test_a_worked_row_longer_than_the_context_is_refused_before_training(chatml_tokenizer):
+    """The data module checks the rows SFT trains on: with an environment, the worked episode's
+    (its tool prompt, calls and replies), not the prompt + reference row plain SFT would train."""
+    env, tokenizer = ToolEnvironment(max_turns=4), chatml_tokenizer
+    source = ListSource()
+    source.examples["train"] = [Example("Mia has 12 apples...", SOLUTION, "19",
+                                        messages=[{"role": "user", "content": "Mia has 12 apples..."}])]
+    source.origins["train"] = ["train.jsonl:1"]
+    worked, plain = (worked_row_length(source.example("train", 0), tokenizer, env=env),
+                     sft_row_length(source.example("train", 0), tokenizer))
+    assert plain < worked
+    tokenizer.model_max_length = (plain + worked) // 2  # the plain row fits, the worked one does not
+    fit_prompts(source, tokenizer, {"train": 1}, sft_row_length=sft_row_length)
+    with pytest.raises(DataError, match=rf"train\.jsonl:1: its training row .* is {worked} tokens, more than "
+                                        rf"the model's context of {tokenizer.model_max_length} tokens"):
+        fit_prompts(source, tokenizer, {"train": 1}, sft_row_length=partial(worked_row_length, env=env))
+
+
 # --- through the CLI -------------------------------------------------------------------------
 
 TINY_WORD_PROBLEMS = ("data=word_problems", "model=hf", "data.max_steps=2", "data.max_response_tokens=96",
@@ -125,11 +146,15 @@ TINY_WORD_PROBLEMS = ("data=word_problems", "model=hf", "data.max_steps=2", "dat
                       "eval.max_new_tokens=96", "eval.at_start=false")
 
 
-def test_sft_with_the_calculator_trains_on_worked_episodes_and_evaluates_episodes(tmp_path, tiny_hf_model):
+def test_sft_with_the_calculator_trains_on_worked_episodes_and_evaluates_episodes(tmp_path):
     from conftest import compose_config
+    from hf_models import make_tiny_hf_model
     from posttrain.train import run
 
-    cfg = compose_config([*TINY_WORD_PROBLEMS, f"model.name_or_path={tiny_hf_model('qwen2')}", "algorithm=sft",
+    # the calculator's system prompt alone is about 800 tokens: the rows need a longer context
+    # than the session's 512-position model (the data module refuses them there)
+    model = make_tiny_hf_model(tmp_path / "tiny-qwen2-2k", "qwen2", max_positions=2048)
+    cfg = compose_config([*TINY_WORD_PROBLEMS, f"model.name_or_path={model}", "algorithm=sft",
                           "env=calculator", "env.max_turns=3", "algorithm.batch_size=4", "trainer.max_steps=2",
                           "trainer.val_check_interval=2", "callbacks.checkpoint.every_n_train_steps=2"], tmp_path)
     summary = run(cfg, announce=False)

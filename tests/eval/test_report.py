@@ -251,6 +251,7 @@ def test_the_reader_lets_a_later_line_of_a_batch_win_and_skips_a_cut_one(tmp_pat
 # --- a real sweep -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 15 s; the report's reading is tested on written runs above, a real sweep runs in the README's commands
 def test_a_real_two_job_sweep_reports(tmp_path):
     """The embedded GRPO-family sweep, tiny. With logger=csv the history comes from
     csv/metrics.csv, or from metrics.jsonl once train.py adds MetricsHistory; then both must

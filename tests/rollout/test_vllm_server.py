@@ -234,6 +234,7 @@ class TestServed:
                 assert m["rollout/mismatch/abs_log_ratio_max"] < 1e-3, m
         assert len(list(shared_root().glob(f"posttrain-vllm-pid{os.getpid()}"))) == 1  # one server
 
+    @pytest.mark.slow  # 42 s, a server of its own; episodes through the engine interface run in tests/envs/test_episodes.py
     def test_a_multi_turn_environment_plays_through_the_server(self, make_config, tmp_path):
         from posttrain.train import run
 

@@ -16,7 +16,7 @@ import transformers
 from omegaconf import OmegaConf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from posttrain.data.datamodule import PosttrainDataModule, collate_prompts, collate_sft
+from posttrain.data.datamodule import PosttrainDataModule, collate_prompts, collate_sft, sft_row_length
 from posttrain.data.sources import JsonlSource, build_source
 from posttrain.errors import CheckpointError, ConfigError, DataError
 from posttrain.models.loading import load_initial_weights, load_pretrained
@@ -63,8 +63,10 @@ def jsonl_cfg(train: Path, validation: Path | None = None, **keys):
 
 
 def datamodule(source, tokenizer, train_collate=None, eval_split="validation"):
+    """SFT's data module with `train_collate=collate_sft` (its rows checked against the context)."""
+    row_length = sft_row_length if train_collate is collate_sft else None
     return PosttrainDataModule(source, tokenizer, batch_size=2, train_collate=train_collate, eval_split=eval_split,
-                               eval_num_prompts=8, eval_batch_size=8)
+                               eval_num_prompts=8, eval_batch_size=8, sft_row_length=row_length)
 
 
 def make_model_dir(directory: Path, alphabet: str = ALPHABET, vocab_size: int | None = None, pad: bool = True,
@@ -166,7 +168,7 @@ def test_sft_row_longer_than_context_is_an_error(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+2=", "response": "3" * 30}) + "\n")
     source = build_source(jsonl_cfg(data))
-    with pytest.raises(DataError, match=r"train.jsonl:1 .*prompt \(4 tokens\) \+ response \(30 tokens\)"):
+    with pytest.raises(DataError, match=r"train.jsonl:1 .*training row .* is 35 tokens, more than the model's context of 32"):
         datamodule(source, build_char_tokenizer(source.alphabet, model_max_length=32), train_collate=collate_sft)
     datamodule(source, build_char_tokenizer(source.alphabet, model_max_length=32))  # RL reads prompts only
 

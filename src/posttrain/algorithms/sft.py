@@ -9,14 +9,15 @@ from functools import partial
 import torch.nn.functional as F
 
 from posttrain.algorithms.base import OfflineModule
-from posttrain.data.datamodule import collate_sft
+from posttrain.data.datamodule import collate_sft, sft_row_length
 from posttrain.envs.build import build_env, turn_tokens
-from posttrain.envs.worked import collate_worked_episodes
+from posttrain.envs.worked import collate_worked_episodes, worked_row_length
 from posttrain.distributed.collectives import all_reduce_sum, rank_and_world
 
 
 class SFTModule(OfflineModule):
     train_collate = staticmethod(collate_sft)
+    sft_row_length = staticmethod(sft_row_length)  # checked against the context before training
 
     def __init__(self, policy, tokenizer, source, optim, rollout, eval_max_new_tokens, batch_size,
                  max_grad_norm=1.0, env=None):
@@ -25,6 +26,7 @@ class SFTModule(OfflineModule):
         self.env, self.turn_tokens = build_env(env, source), turn_tokens(env)
         if self.env is not None:
             self.train_collate = partial(collate_worked_episodes, env=self.env)
+            self.sft_row_length = partial(worked_row_length, env=self.env)
 
     def training_step(self, batch, batch_idx):
         logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -181,15 +181,16 @@ def prompt_token_limit(limits: PromptLimits, context: int | None) -> tuple[int |
     return limit, reason
 
 
-def fit_prompts(source, tokenizer, splits: dict[str, int], sft_rows: bool = False) -> None:
+def fit_prompts(source, tokenizer, splits: dict[str, int], sft_row_length: Callable | None = None) -> None:
     """Check that the prompts of ``splits`` fit the model before training starts.
 
     ``splits`` maps each split the run reads to how many of an endless source's examples to
     check (a file's are all checked). A prompt longer than its limit (the model's context
     minus ``data.max_response_tokens``, or ``data.max_prompt_tokens``) is a DataError naming
     its file and line, unless ``data.truncate_prompts=left``: then its last tokens are kept
-    (``Example.prompt_ids``) and the count is logged once. With ``sft_rows`` the training
-    rows (prompt + reference response + EOS) must fit the context too.
+    (``Example.prompt_ids``) and the count is logged once. With ``sft_row_length(example,
+    tokenizer)`` (an SFT module's: the tokens of the row it trains on) the training rows must
+    fit the context too.
     """
     limits = getattr(source, "prompt_limits", None) or PromptLimits()
     context = tokenizer_context(tokenizer)
@@ -211,8 +212,8 @@ def fit_prompts(source, tokenizer, splits: dict[str, int], sft_rows: bool = Fals
             examples[i].prompt_ids = ids[i][len(ids[i]) - limit:]
         if over:
             truncated.append((split, len(over), len(examples), _where(source, split, over[0], examples)))
-        if sft_rows and split == "train" and context is not None:
-            _check_sft_rows(source, tokenizer, examples, context)
+        if sft_row_length is not None and split == "train" and context is not None:
+            _check_sft_rows(source, tokenizer, examples, context, sft_row_length)
     if truncated:
         counts = "; ".join(f"{n} of {total} {split} prompts (the first at {where})"
                            for split, n, total, where in truncated)
@@ -241,25 +242,30 @@ def _overlong_message(source, split, examples, ids, over, limit, reason, endless
                       f"prompt's last {limit} tokens (the count is logged).")
 
 
-def _check_sft_rows(source, tokenizer, examples: list[Example], context: int) -> None:
-    """SFT trains on prompt + reference response + EOS: a row past the context would train
-    positions the model does not have."""
-    responses = tokenizer([e.response for e in examples], add_special_tokens=False)["input_ids"]
-    for i, (example, response) in enumerate(zip(examples, responses)):
-        prompt = len(prompt_token_ids(example, tokenizer))
-        if prompt + len(response) + 1 > context:
+def sft_row_length(example: Example, tokenizer) -> int:
+    """The tokens of `collate_sft`'s row of `example`: prompt + reference response + EOS."""
+    response = tokenizer(example.response, add_special_tokens=False)["input_ids"]
+    return len(prompt_token_ids(example, tokenizer)) + len(response) + 1
+
+
+def _check_sft_rows(source, tokenizer, examples: list[Example], context: int, row_length: Callable) -> None:
+    """A training row past the context would train positions the model does not have."""
+    for i, example in enumerate(examples):
+        length = row_length(example, tokenizer)
+        if length > context:
             raise DataError(
-                f"{_where(source, 'train', i, examples)}: prompt ({prompt} tokens) + response ({len(response)} "
-                f"tokens) + EOS is {prompt + len(response) + 1} tokens, more than the model's context of {context} "
-                f"tokens; shorten that example or use a model with a longer context")
+                f"{_where(source, 'train', i, examples)}: its training row (the prompt, the response and their "
+                f"end tokens) is {length} tokens, more than the model's context of {context} tokens; shorten "
+                f"that example or use a model with a longer context")
 
 
 class PosttrainDataModule(L.LightningDataModule):
-    """Training stream (`train_collate` picks SFT pairs or prompts) and held-out prompts."""
+    """Training stream (`train_collate` picks SFT pairs or prompts) and held-out prompts.
+    `sft_row_length`: an SFT module's row length, checked against the context before training."""
 
     def __init__(self, source, tokenizer, batch_size: int, train_collate: Callable, eval_split: str,
                  eval_num_prompts: int, eval_batch_size: int, seed: int = 0, eval_on_pairs: bool = False,
-                 eval_collate: Callable | None = None):
+                 eval_collate: Callable | None = None, sft_row_length: Callable | None = None):
         super().__init__()
         self.source, self.tokenizer = source, tokenizer
         self.batch_size, self.train_collate, self.seed = batch_size, train_collate, seed
@@ -273,7 +279,7 @@ class PosttrainDataModule(L.LightningDataModule):
         count = eval_num_prompts if size is None else min(size, eval_num_prompts)
         # before any example is handed out: prompts too long for the model fail (or are cut) here
         fit_prompts(prompts, tokenizer, {"train": ENDLESS_SAMPLE, eval_split: count},
-                    sft_rows=train_collate is collate_sft)
+                    sft_row_length=sft_row_length)
         self.eval_examples = [prompts.example(eval_split, i) for i in range(count)]
 
     def train_dataloader(self) -> DataLoader:

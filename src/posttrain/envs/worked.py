@@ -44,6 +44,11 @@ def worked_episode_row(env: Environment, example: Example, tokenizer) -> tuple[l
     return ids, labels
 
 
+def worked_row_length(example: Example, tokenizer, env: Environment) -> int:
+    """The tokens of `example`'s worked-episode row (the data module checks it fits the context)."""
+    return len(worked_episode_row(env, example, tokenizer)[0])
+
+
 def collate_worked_episodes(examples: list[Example], tokenizer, env: Environment) -> dict:
     """`collate_sft`'s batch (input_ids, attention_mask, labels), from worked episodes."""
     rows, labels = zip(*(worked_episode_row(env, example, tokenizer) for example in examples))
