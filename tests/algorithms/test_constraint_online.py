@@ -175,6 +175,7 @@ def test_two_ranks_hold_one_lambda_that_of_their_union(make_config, monkeypatch)
     assert [core.dual_ascent_step(1.0, m, LIMIT, LR) for m in (0.9, 0.15)] == pytest.approx([1.4, 0.65])
 
 
+@pytest.mark.slow  # 12 s; the cost and lambda are tested in-process above, a producer process in test_async_rollouts.py
 def test_a_producer_process_stores_the_cost_and_the_trainer_applies_lambda(tmp_path):
     """rollout.producer=process at staleness 0: the reward is scored in another process, lambda
     stays in the trainer, and every metric (lambda's included) is the synchronous pipeline's."""

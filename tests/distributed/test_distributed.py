@@ -133,6 +133,7 @@ def test_the_cli_trains_with_two_processes_under_torchrun(sft_start, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.slow  # 21 s; one warm start shared by concurrent processes runs in CI in tests/run/test_sweeps.py
 def test_rank_0_of_a_torchrun_job_trains_the_warm_start_once_and_every_rank_starts_from_it(tmp_path):
     """An uncached warm start in a job of 2 ranks: rank 0 trains it alone (its trainer joins
     no process group: the other rank is not in one yet), rank 1 waits for the cache entry,
