@@ -42,7 +42,7 @@ def run_worker(framework: str, model_dir: Path, json_path: Path, *extra: str) ->
     return json.loads(json_path.read_text())
 
 
-@pytest.mark.parametrize("framework", ["posttrain", "trl"])
+@pytest.mark.parametrize("framework", ["posttrain", pytest.param("trl", marks=pytest.mark.slow)])  # trl: 7 s
 def test_word_problem_workers_run_every_row_to_the_limit_and_report_the_floor(vs_trl, tiny_hf_model, tmp_path,
                                                                               framework):
     if framework == "trl":

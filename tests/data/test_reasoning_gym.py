@@ -290,6 +290,7 @@ def test_the_embedded_tokenizer_knows_every_character_and_the_tags_are_one_token
         assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1
 
 
+@pytest.mark.slow  # 17 s; data=reasoning_gym is composed and checked in CI by the docs' commands, its held-out scoring in test_suites.py
 def test_two_grpo_steps_through_the_cli_on_the_embedded_model(tmp_path):
     """`posttrain algorithm=grpo data=reasoning_gym 'data.tasks=[...]'` on model=tiny: plain prompts,
     a short answer budget, no warm start (a random policy: the steps run, accuracy stays near 0)."""

@@ -217,6 +217,7 @@ class TestServed:
         print(f"grpo through the server: {time.perf_counter() - started:.1f} s, pushes "
               f"{[round(s, 3) for s in server.push_seconds]} s")
 
+    @pytest.mark.slow  # 14 s; the weights' tag per push is checked in the first served test
     def test_a_producer_one_version_ahead_samples_through_the_same_server(self, served_config, tmp_path):
         from posttrain.train import run
 

@@ -324,6 +324,7 @@ def test_submitit_job_of_two_tasks_trains_as_two_ranks(sft_start, tmp_path):
     assert "global_rank=1(2)" in task_log.read_text()
 
 
+@pytest.mark.slow  # 27 s; CI keeps the signal's checkpoint and exit (SIGTERM above) and kill -9 resumes
 def test_submitit_job_is_requeued_on_the_warning_signal_and_continues_its_run(sft_start, tmp_path):
     """SIGUSR2 (what SLURM sends before the time limit) -> checkpoint, exit code 144 (submitit's
     local stand-in for `scontrol requeue`) -> the same job runs again in the same run dir,

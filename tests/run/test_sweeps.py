@@ -105,6 +105,7 @@ TINY = ("logger=none", "callbacks.progress_bar=none", "eval.num_prompts=16", "ev
         "model.hidden_size=32")
 
 
+@pytest.mark.slow  # 13 s; the README's sweep and sweep_table.py run a grid end to end in CI
 def test_a_grid_runs_end_to_end_and_tabulates(tmp_path):
     result = posttrain("-m", "+sweep=advantage_estimators", "advantage=group_norm,rloo", "seed=0", *TINY,
                        f"paths.log_dir={tmp_path}", cwd=tmp_path)
