@@ -313,7 +313,7 @@ def submitit_sweep(tmp_path: Path, sft_start: Path, *extra: str) -> subprocess.P
     return start_command(command, env=env)
 
 
-@pytest.mark.slow  # 28 s; CI keeps submitit's requeue and the two-rank kill -9 under ddp
+@pytest.mark.slow  # 28 s; CI keeps two ranks under ddp through kill -9 and resume
 def test_submitit_job_of_two_tasks_trains_as_two_ranks(sft_start, tmp_path):
     code, output = finish(submitit_sweep(tmp_path, sft_start, "trainer=ddp", "logger=none", "trainer.max_steps=2"),
                           timeout=300)
