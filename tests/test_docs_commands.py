@@ -45,8 +45,7 @@ def composed_overrides(command: str) -> list[str] | None:
     if "-m" not in arguments:
         return arguments[1:]
     # a sweep's first job; Hydra's own keys (the launcher) are not the job's config
-    first_job = [a.replace(",", "=", 1).rpartition("=")[0] if "," in a else a
-                 for a in one_value_past_the_first_sweep(arguments[1:])]
+    first_job = one_value_past_the_first_sweep(arguments[1:], first_values=1)
     return [a for a in first_job if a != "-m" and not a.startswith(("hydra/", "hydra."))]
 
 

@@ -61,13 +61,14 @@ def fill_placeholders(command: str, log_dir: Path) -> str:
     return re.sub(r"outputs/multiruns/<time>", lambda m: newest("multiruns/*"), command)
 
 
-def one_value_past_the_first_sweep(arguments: list[str]) -> list[str]:
-    """A multirun's first comma-separated key at its first two values; every later one at its first."""
+def one_value_past_the_first_sweep(arguments: list[str], first_values: int = 2) -> list[str]:
+    """A multirun's first comma-separated key at its first `first_values` values; every later one
+    at its first (`first_values=1`: the sweep's first job)."""
     swept, kept = False, []
     for argument in arguments:
         key, equals, values = argument.partition("=")
         if equals and "," in values and not values.startswith("["):
-            argument = f"{key}={values.split(',')[0]}" if swept else f"{key}={','.join(values.split(',')[:2])}"
+            argument = f"{key}={values.split(',')[0]}" if swept else f"{key}={','.join(values.split(',')[:first_values])}"
             swept = True
         kept.append(argument)
     return kept
@@ -134,6 +135,8 @@ def test_a_sweep_runs_two_values_of_its_first_key_and_one_of_the_others():
     command = shlex.split("posttrain -m algorithm=grpo,dr_grpo,dapo seed=0,1,2 kl_estimator=k1,k3 eval.pass_k=[1,2]")
     assert one_value_past_the_first_sweep(command) == [
         "posttrain", "-m", "algorithm=grpo,dr_grpo", "seed=0", "kl_estimator=k1", "eval.pass_k=[1,2]"]
+    assert one_value_past_the_first_sweep(command, first_values=1) == [  # the first job
+        "posttrain", "-m", "algorithm=grpo", "seed=0", "kl_estimator=k1", "eval.pass_k=[1,2]"]
 
 
 def test_readme_has_the_commands_it_promises():
