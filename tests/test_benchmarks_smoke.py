@@ -5,10 +5,10 @@ Behaviour only: speed is measured by the benchmark itself, never asserted in tes
 
 from __future__ import annotations
 
+import json
 
 import pytest
 from conftest import load_benchmark
-
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +150,32 @@ def test_gpu_check_parts_run_on_the_cpu_at_tiny_sizes(tmp_path):
     assert set(parts) == {"rollout_tiny", "grpo_step", "run_grpo", "broken"} and "error" in parts["broken"]
     table = (tmp_path / "all.md").read_text()
     assert "graphs/eager" in table and "s/step" in table and "goal < 10 s" in table
+
+
+def test_engines_measures_each_engine_and_dtype_in_a_process_of_its_own(rollout_speed, embedded_hf_model, tmp_path,
+                                                                       capsys):
+    """--engines through the command line on the embedded model: a worker process per (engine,
+    dtype) (one here: each costs an interpreter's start-up), every budget a cell whose tokens are
+    the rows' real tokens, and one table with a column per engine measured."""
+    out = tmp_path / "engines.json"
+    results = rollout_speed.main(["--engines", "--engine-rows", "fast", "--engine-model", str(embedded_hf_model),
+                                  "--engine-task", "arithmetic", "--prompts", "2", "--samples", "2", "--budgets", "3",
+                                  "5", "--dtypes", "float32", "--threads", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == results
+    measured = {(row["engine"], row["dtype"]): row for row in results["engines"]}
+    assert set(measured) == {("fast", "float32")}
+    for key, row in measured.items():
+        assert "error" not in row, (key, row.get("error"))
+        assert row["rows"] == 4 and row["peak_rss_gib"] > 0 and row["startup_s"] > 0
+        for budget in ("3", "5"):
+            cell = row["cells"][budget]
+            assert 4 <= cell["tokens"] <= 4 * int(budget), (key, budget, cell)  # each row at least one token
+            assert cell["tokens_per_s"] == pytest.approx(cell["tokens"] / cell["seconds"])
+    printed = capsys.readouterr().out
+    assert "Rollout engines" in printed and "3 tok: tokens/s" in printed and "5 tok: tokens/s" in printed
+    assert "vllm" not in printed  # a column per engine measured, none for the others
+
+
+def test_engines_refuses_an_unknown_engine(rollout_speed):
+    with pytest.raises(SystemExit):
+        rollout_speed.main(["--engines", "--engine-rows", "fast,sglang"])

@@ -142,21 +142,24 @@ def test_the_command_prints_the_tables_and_json(tmp_path, capsys, monkeypatch):
                                                                   if k != "step"))
 
 
-def test_this_cpu_is_measured_once_and_cached(tmp_path, monkeypatch):
-    calls = []
+def test_this_cpu_keeps_its_best_reading_and_a_busy_reading_does_not_replace_it(tmp_path, monkeypatch):
+    readings = iter([{"flops": 100e9, "bandwidth": 8e9},   # idle
+                     {"flops": 30e9, "bandwidth": 9e9},    # busy matmuls, a better copy
+                     {"flops": 120e9, "bandwidth": 2e9},   # a better matmul, a busy copy
+                     {"flops": 250e9, "bandwidth": 1e9}])  # bf16 matmuls, a slow copy
 
     def measured(threads, dtype):
-        calls.append(dtype)
-        return {"name": "stub", "flops": 2e9 if dtype == torch.float32 else 4e9, "bandwidth": 1e9}
+        return {"name": f"stub {dtype}", **next(readings)}
 
     monkeypatch.setattr(speed, "measure_cpu", measured)
-    first = speed.cpu_speed(tmp_path)
-    second = speed.cpu_speed(tmp_path)
-    assert first == second and calls == [torch.float32]
-    # a bf16 run is bounded by the bf16 matmul speed, measured once too
-    assert speed.cpu_speed(tmp_path, torch.bfloat16)["flops"] == 4e9
-    speed.cpu_speed(tmp_path, torch.bfloat16)
-    assert calls == [torch.float32, torch.bfloat16]
+    assert speed.cpu_speed(tmp_path) == {"name": "stub torch.float32", "flops": 100e9, "bandwidth": 8e9}
+    assert speed.cpu_speed(tmp_path)["flops"] == 100e9  # the busy reading is not kept ...
+    assert speed.cpu_speed(tmp_path) == {"name": "stub torch.float32", "flops": 120e9, "bandwidth": 9e9}  # each best
+    kept = json.loads((tmp_path / "estimate" / "cpu_speed.json").read_text())
+    assert [value for value in kept.values()] == [{"name": "stub torch.float32", "flops": 120e9, "bandwidth": 9e9}]
+    # a bf16 run is bounded by the bf16 matmul speed, kept apart from fp32's
+    assert speed.cpu_speed(tmp_path, torch.bfloat16)["flops"] == 250e9
+    assert len(json.loads((tmp_path / "estimate" / "cpu_speed.json").read_text())) == 2
 
 
 @pytest.mark.parametrize(("arguments", "message"), [

@@ -206,7 +206,7 @@ def task_problems(tasks, size=500, heldout_size=32, seed=0) -> tuple[list[str], 
         spec = TaskSpec(index, name, values["size"], values["heldout_size"], values["seed"],
                         json.dumps(config, sort_keys=True), level)
         try:
-            task_config(factory, spec, spec.level)
+            first_item(factory, spec, task_config(factory, spec, spec.level))
         except ConfigError as err:
             problems.append(str(err))
             continue
@@ -264,6 +264,16 @@ def task_config(factory, spec: TaskSpec, level: int | None) -> dict:
         raise ConfigError(f"{spec.key}.config={spec.overrides} is refused by {spec.name}'s config{where}: "
                           f"{type(err).__name__}: {err}") from None
     return fields
+
+
+def first_item(factory, spec: TaskSpec, config: dict) -> dict:
+    """The task's item 0 under `config`: a setting its config's validate() lets through can still
+    break the generator (simple_equations' operators without operators_weights), caught here."""
+    try:
+        return factory.create_dataset(spec.name, **config, seed=0, size=1)[0]
+    except Exception as err:  # whatever the generator raises: the settings' fault, named
+        raise ConfigError(f"{spec.key}.config={spec.overrides}: {spec.name}'s generator fails with these settings: "
+                          f"{type(err).__name__}: {err}") from None
 
 
 def derived_seed(*parts) -> int:

@@ -7,7 +7,7 @@ on the meta device: no weights are read or allocated), per device (data-parallel
   frozen roles, the sampler's fused weight copies and KV cache, the update's activations
   (with and without activation checkpointing) and chunked logits; the peak is the largest stage;
 * FLOPs per rollout batch by stage, and lower bounds on its seconds on a device: this CPU
-  (measured once by a short matmul and copy benchmark, cached under paths.cache_dir) or a GPU
+  (the best reading so far of a short matmul and copy benchmark, kept under paths.cache_dir) or a GPU
   kind from `GPU_SPECS` (vendors' spec-sheet peaks).
 """
 

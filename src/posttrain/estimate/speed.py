@@ -1,4 +1,4 @@
-"""How fast a device runs: this CPU measured once by a short matmul and copy benchmark (cached
+"""How fast a device runs: this CPU's best reading of a short matmul and copy benchmark (kept
 under paths.cache_dir), a GPU kind from its vendor's spec sheet."""
 
 from __future__ import annotations
@@ -28,18 +28,23 @@ CPU_DEVICE = "cpu"
 def cpu_speed(cache_dir: Path, dtype: torch.dtype = torch.float32) -> dict:
     """This CPU's matmul FLOP/s in `dtype` (the run's compute dtype: a CPU with bf16 instructions
     multiplies bf16 faster than fp32, and a bound from the fp32 speed would not bound a bf16 run)
-    and copy bandwidth at torch's thread count, measured once (about a second) and cached in
-    `cache_dir`/estimate/, keyed by processor, threads, dtype and torch. Measure it on an idle
-    machine: a speed measured beside other jobs is too low, and the bound it gives too high."""
+    and copy bandwidth at torch's thread count: the best reading so far, kept in
+    `cache_dir`/estimate/ by processor, threads, dtype and torch. Each call measures again (about
+    half a second) and keeps, per figure, the higher of that reading and the kept one: a machine
+    busy with other jobs reads too low a speed (39 GFLOP/s against 195 idle here), whose bound
+    would exceed real steps, and such a reading never replaces a better one."""
     threads = torch.get_num_threads()
     key = f"{processor_name()}|{threads}|{dtype}|{torch.__version__}"
     cache = Path(cache_dir) / "estimate" / "cpu_speed.json"
     cached = json.loads(cache.read_text()) if cache.is_file() else {}
-    if key not in cached:
-        cached[key] = measure_cpu(threads, dtype)
+    reading = measure_cpu(threads, dtype)
+    kept = cached.get(key, reading)
+    best = {**reading, **{figure: max(kept[figure], reading[figure]) for figure in ("flops", "bandwidth")}}
+    if best != cached.get(key):
+        cached[key] = best
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(cache, cached)
-    return cached[key]
+    return best
 
 
 def measure_cpu(threads: int, dtype: torch.dtype = torch.float32, size: int = 1024,
