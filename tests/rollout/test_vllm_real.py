@@ -85,6 +85,18 @@ def engine(policy):
     engine.close()
 
 
+def test_prompts_over_one_steps_token_budget_sample_with_their_seeds(policy, engine):
+    """210 seeded rows of 40 prompt tokens (8,400, over one engine step's 8,192): vLLM's default
+    would split a prefill across steps and rewind its row's generator, which the CPU's generators
+    cannot ("CPU Generator does not use offset", a crash of the engine); whole prefills do not."""
+    ids, mask = prompts(210, 40)
+    out = engine.generate(policy, ids, mask, SamplingParams(max_new_tokens=2, temperature=0.7), [1], 0,
+                          torch.Generator().manual_seed(3))
+    assert out.response_mask[:, 0].all()  # every row sampled
+    config = engine.llm.llm_engine.vllm_config.scheduler_config
+    assert not config.enable_chunked_prefill and config.max_num_batched_tokens == 8192
+
+
 def never_sampled(policy) -> list[int]:
     """A stop id outside the vocabulary's sampled range is refused by vLLM; the pad id 0 is never
     sampled by these prompts' greedy continuations in practice, and the config's EOS is not it."""

@@ -300,3 +300,22 @@ class TestServed:
         finally:
             if trainer.poll() is None:
                 trainer.kill()
+
+
+def test_a_cpu_server_never_splits_a_prefill(tmp_path, monkeypatch):
+    """vllm_serve.py on vLLM's CPU build adds whole prefills (vllm.py's whole_prefills: a split
+    prefill rewinds a seeded generator, which the CPU cannot) with a step budget of at least one
+    context; an explicit setting, or a GPU build, is left alone."""
+    from posttrain.rollout import vllm_serve
+    from posttrain.rollout.vllm import WHOLE_PREFILL_TOKENS
+
+    assert vllm_serve.WHOLE_PREFILL_TOKENS == WHOLE_PREFILL_TOKENS  # the server's copy of the number
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 16384}))
+    monkeypatch.setattr(vllm_serve, "on_cpu_build", lambda: True)
+    assert vllm_serve.whole_prefill_arguments(["--model", str(tmp_path)]) == [
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", "16384"]
+    assert vllm_serve.whole_prefill_arguments(["--model", str(tmp_path), "--max-model-len", "512"]) == [
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(WHOLE_PREFILL_TOKENS)]
+    assert vllm_serve.whole_prefill_arguments(["--model", str(tmp_path), "--enable-chunked-prefill"]) == []
+    monkeypatch.setattr(vllm_serve, "on_cpu_build", lambda: False)
+    assert vllm_serve.whole_prefill_arguments(["--model", str(tmp_path)]) == []

@@ -79,6 +79,9 @@ SLEEP_LEVELS = (0, 1, 2)
 # SmolLM2-135M in fp32 (46 KiB a token), ~340k of the embedded tiny model; vLLM queues the
 # requests that do not fit. VLLM_CPU_KVCACHE_SPACE (whole GiB, vLLM's own variable) overrides it.
 CPU_KV_CACHE_GIB = 1.0
+# A CPU engine's step budget in tokens when prefills are not split (whole_prefills): at least
+# one context, and vLLM's offline default for bigger contexts.
+WHOLE_PREFILL_TOKENS = 8192
 # vLLM takes one seed per request as a signed 32-bit int.
 MAX_REQUEST_SEED = 2**31 - 1
 # The engine that holds this process's vLLM instance. One at a time: a second module in the
@@ -122,6 +125,14 @@ def installed_vllm_device() -> Optional[str]:
             continue
         return device
     return None
+
+
+def whole_prefills(context: int) -> dict:
+    """vLLM settings for the CPU that never split a prompt's prefill over engine steps. A split
+    prefill discards the token it sampled and rewinds the request's seeded generator, which the
+    CPU's generators cannot do ("CPU Generator does not use offset": a batch of 128 SmolLM2
+    prompts crashed the engine); whole prefills need a step budget of at least one context."""
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(int(context), WHOLE_PREFILL_TOKENS))
 
 
 def vllm_on_cpu() -> bool:
@@ -486,7 +497,8 @@ class VLLMEngine:
                      "between rollouts (rollout.sleep_level=%d is taken as 0)", self.sleep_level)
         if self.on_cpu:
             # vLLM's CPU worker takes gpu_memory_utilization as a share of the host's RAM: a size instead
-            memory = dict(kv_cache_memory_bytes=int((self.kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30))
+            memory = dict(kv_cache_memory_bytes=int((self.kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30),
+                          **whole_prefills(self.max_model_len or model.config.max_position_embeddings))
         else:
             memory = dict(gpu_memory_utilization=self.gpu_memory_utilization)
         # Built outside inference mode even when the first generation comes from Lightning's

