@@ -602,12 +602,13 @@ def engine_worker(spec: dict) -> dict:
     elif spec["engine"] == "vllm_server":  # two pushes: one weight changed (the fingerprint sees it), then restored
         weight = next(model.parameters()).view(-1)
         original = weight[0].item()
+        before = engine.sync_seconds
         with torch.no_grad():
             for value in (original + 1e-3, original):
                 weight[0] = value
                 engine.policy_updated()
                 call(1)
-        result["sync_s"] = sum(engine._server.push_seconds[-2:]) / 2
+        result["sync_s"] = (engine.sync_seconds - before) / 2
     for budget in spec["budgets"]:
         ttft, _ = call(1, seed=1)
         seconds, out = call(budget, seed=2)

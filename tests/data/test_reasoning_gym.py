@@ -222,8 +222,7 @@ def test_the_yaml_and_a_mapping_task_list_pass_the_config_check():
     ("[{name: chain_sum, level: 99}]", "data.tasks[0].level=99 must be an integer in [0, "),
     ("[{name: chain_sum, config: [1]}]", "data.tasks[0].config=[1] must be a mapping"),
     ("[{name: simple_equations, config: {operators: ['+', '-']}}]",  # its validate() passes; item 0 raises
-     "data.tasks[0].config={'operators': ['+', '-']}: simple_equations's generator fails with these settings: "
-     "ValueError"),
+     "data.tasks[0].config={'operators': ['+', '-']} is refused by simple_equations's generator: ValueError"),
     ("[composite]", "data.tasks[0].name=composite: list the tasks as entries of data.tasks instead"),
     ("[{name: chain_sum, heldout_size: 0}]", "every task of data.tasks has heldout_size 0"),
     ("[]", "data.tasks=[] is not valid: expected a non-empty list"),

@@ -189,7 +189,9 @@ class TestServed:
             for p in policy.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         engine.policy_updated()
+        synced = engine.sync_seconds
         after = engine.generate(policy, ids[:1], mask[:1], greedy, eos, pad)
+        assert engine.sync_seconds > synced  # the push's seconds are counted (benchmarks read them)
         second = server.weights()
         assert second["loads"] == first["loads"] + 1 and second["tag"] == engine.tag != first["tag"]
         assert not torch.allclose(after.logprobs, before.logprobs)  # the server's outputs follow the push

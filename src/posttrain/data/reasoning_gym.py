@@ -62,7 +62,7 @@ import pickle
 import random
 from dataclasses import dataclass
 
-from posttrain.core.options import MAX_SEED
+from posttrain.core.options import MAX_SEED, is_int
 from posttrain.data.answers import ANSWER_TAGS, HASH_MARKER, AnswerChecker
 from posttrain.data.arithmetic import SPLITS
 from posttrain.data.examples import Example, PromptLimits
@@ -128,10 +128,6 @@ class TaskSpec:
         return json.loads(self.config)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _plain(value):
     """OmegaConf containers as plain Python (lists, dicts), other values as they are."""
     # start-up: omegaconf is already loaded wherever a config exists
@@ -178,9 +174,9 @@ def task_problems(tasks, size=500, heldout_size=32, seed=0) -> tuple[list[str], 
         values = {"size": entry.get("size", size), "heldout_size": entry.get("heldout_size", heldout_size),
                   "seed": entry.get("seed", seed)}
         for field, low in (("size", 1), ("heldout_size", 0)):
-            if not _is_int(values[field]) or values[field] < low:
+            if not is_int(values[field]) or values[field] < low:
                 found.append(f"{key}.{field}={values[field]!r} must be an integer >= {low}")
-        if not _is_int(values["seed"]) or not 0 <= values["seed"] <= MAX_SEED:
+        if not is_int(values["seed"]) or not 0 <= values["seed"] <= MAX_SEED:
             found.append(f"{key}.seed={values['seed']!r} must be an integer in [0, {MAX_SEED}]")
         level = entry.get("level")
         if level is not None:
@@ -188,7 +184,7 @@ def task_problems(tasks, size=500, heldout_size=32, seed=0) -> tuple[list[str], 
             if top is None:
                 found.append(f"{key}.level={level!r}: {name} has no reasoning-gym curriculum (no difficulty levels); "
                              f"drop level and set its config instead")
-            elif not _is_int(level) or not 0 <= level <= top:
+            elif not is_int(level) or not 0 <= level <= top:
                 found.append(f"{key}.level={level!r} must be an integer in [0, {top}] ({name}'s curriculum levels)")
         config = entry.get("config") or {}
         if not isinstance(config, dict):
@@ -206,7 +202,7 @@ def task_problems(tasks, size=500, heldout_size=32, seed=0) -> tuple[list[str], 
         spec = TaskSpec(index, name, values["size"], values["heldout_size"], values["seed"],
                         json.dumps(config, sort_keys=True), level)
         try:
-            first_item(factory, spec, task_config(factory, spec, spec.level))
+            task_config(factory, spec, spec.level)
         except ConfigError as err:
             problems.append(str(err))
             continue
@@ -244,7 +240,9 @@ def max_level(factory, name: str) -> int | None:
 
 def task_config(factory, spec: TaskSpec, level: int | None) -> dict:
     """The task's config fields (without seed and size): its curriculum's at `level` (None: the
-    config class's defaults), the user's on top; checked by the config's own validate()."""
+    config class's defaults), the user's on top. The one check that settings work: the config's
+    own validate(), then its generator's item 0 (simple_equations' operators without
+    operators_weights pass validate() and break the generator)."""
     _, config_cls = factory.DATASETS[spec.name]
     if level is None:
         base = config_cls()
@@ -255,25 +253,18 @@ def task_config(factory, spec: TaskSpec, level: int | None) -> dict:
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(config_cls)
               if f.init and f.name not in RESERVED_CONFIG_KEYS}
     fields.update(spec.overrides)
+    stage = "config"
     try:
         config = config_cls(**fields, seed=0, size=1)
         if hasattr(config, "validate"):
             config.validate()
-    except Exception as err:  # reasoning-gym's checks are asserts, ValueErrors or a TypeError on a bad type
+        stage = "generator"
+        factory.create_dataset(spec.name, **fields, seed=0, size=1)[0]
+    except Exception as err:  # reasoning-gym's checks are asserts, ValueErrors or a TypeError; a generator raises anything
         where = f" at level {level}" if level is not None else ""
-        raise ConfigError(f"{spec.key}.config={spec.overrides} is refused by {spec.name}'s config{where}: "
+        raise ConfigError(f"{spec.key}.config={spec.overrides} is refused by {spec.name}'s {stage}{where}: "
                           f"{type(err).__name__}: {err}") from None
     return fields
-
-
-def first_item(factory, spec: TaskSpec, config: dict) -> dict:
-    """The task's item 0 under `config`: a setting its config's validate() lets through can still
-    break the generator (simple_equations' operators without operators_weights), caught here."""
-    try:
-        return factory.create_dataset(spec.name, **config, seed=0, size=1)[0]
-    except Exception as err:  # whatever the generator raises: the settings' fault, named
-        raise ConfigError(f"{spec.key}.config={spec.overrides}: {spec.name}'s generator fails with these settings: "
-                          f"{type(err).__name__}: {err}") from None
 
 
 def derived_seed(*parts) -> int:
@@ -547,7 +538,7 @@ class ReasoningGymSource:
 
     def set_difficulty(self, level: int) -> None:
         """Draw the training examples of every task with a level at that level + `level` from now on."""
-        if not _is_int(level) or level < 0:
+        if not is_int(level) or level < 0:
             raise ConfigError(f"the difficulty level above the tasks' own must be an integer >= 0, got {level!r}")
         if level != self.task.level:
             self.task = Difficulty(level)

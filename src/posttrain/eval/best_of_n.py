@@ -30,6 +30,7 @@ from rich.table import Table
 
 from posttrain import core
 from posttrain.core.eval_metrics import shared_answer_verdicts
+from posttrain.core.options import is_int
 from posttrain.data.examples import judging_source
 from posttrain.data.steps import source_step_rule
 from posttrain.errors import ConfigError
@@ -48,12 +49,12 @@ def subset_sizes(best_of_n) -> list[int]:
     n = best_of_n.n
     if n is None:
         return []
-    values = [n] if isinstance(n, int) and not isinstance(n, bool) else n
+    values = [n] if is_int(n) else n
     try:
         values = list(values)
     except TypeError:
         values = None
-    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+    if not values or not all(is_int(v) and v >= 1 for v in values):
         raise ConfigError(f"best_of_n.n={n!r} must be a list of positive integers (responses to choose from, "
                           f"e.g. [1,4,16]), or null to skip best-of-N")
     return sorted(set(values))

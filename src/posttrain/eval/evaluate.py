@@ -25,6 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from posttrain.core.options import is_int
 from posttrain.errors import ConfigError, DataError
 from posttrain.run.boundary import hydra_command, log, silence_expected_warnings
 from posttrain.run.run_dir import find_weights, is_adapter_dir, load_from_adapter
@@ -82,7 +83,7 @@ def check_thinking_budgets(cfg: DictConfig) -> list[int]:
     if value is None:
         return []
     budgets = [value] if isinstance(value, int) else list(value) if OmegaConf.is_list(value) else None
-    if not budgets or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in budgets):
+    if not budgets or not all(is_int(b) and b >= 0 for b in budgets):
         raise ConfigError(f"thinking_budget={value!r}: expected null, or a number of reasoning tokens >= 0 or a "
                           f"list of them, e.g. thinking_budget=[8,16,32]")
     return budgets

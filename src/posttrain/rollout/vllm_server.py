@@ -483,6 +483,12 @@ class VLLMServerEngine:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._warned_nan = False
 
+    @property
+    def sync_seconds(self) -> float:
+        """The seconds the pushes to this engine's server took, in all (logs, benchmarks), as
+        rollout=vllm's attribute of the same name: each push's write, load and cache reset."""
+        return sum(self._server.push_seconds) if self._server is not None else 0.0
+
     # --- the hook ---------------------------------------------------------------------------------
     def policy_updated(self) -> None:
         """The policy's weights changed: fingerprint them again at the next generation."""
