@@ -141,6 +141,7 @@ class TwoStepsPerBatch(L.LightningModule):
             optimizer.step()
         self.log("train/loss", loss, prog_bar=True)
         self.log("rollout/reward_mean", 0.5)
+        self.log("rollout/accuracy", float(batch_idx % 2))  # 0, 1, 0, 1, ...: a mean of 50%
 
     def validation_step(self, batch, batch_idx):
         self.log("eval/accuracy", 0.25, prog_bar=True)
@@ -187,7 +188,7 @@ def test_bar_follows_optimiser_steps_on_a_terminal():
     assert len(screen) == 2, screen  # the last frame only: a bar line and a metrics line
     bar, metrics = screen
     assert bar.startswith("step 8/8 ") and "100%" in bar, bar  # 4 batches, 8 optimiser steps
-    assert re.fullmatch(r"loss \d+\.\d{3}  reward 0\.500  eval_acc 25\.0%", metrics), metrics
+    assert re.fullmatch(r"loss \d+\.\d{3}  reward 0\.500  acc 50\.0%  eval_acc 25\.0%", metrics), metrics
     assert all(len(line) <= 80 for line in screen), screen
 
 
@@ -196,6 +197,8 @@ def test_bar_prints_plain_lines_when_not_on_a_terminal(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["4/8", "8/8"], lines  # at each evaluation (every 2 batches)
     assert all("eval_acc 25.0%" in line and "\x1b" not in line for line in lines), lines
+    # each line's training accuracy is the mean of the batches since the last line (0, 1), not the last (1)
+    assert all(" acc 50.0% " in line for line in lines), lines
 
 
 def test_bar_metric_names_are_short():

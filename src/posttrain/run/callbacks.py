@@ -69,11 +69,18 @@ PROGRESS_METRICS = (
     ("eval/accuracy", "eval_acc", "{:.1%}"),
     ("eval/response_len", "eval_len", "{:.1f}"),
 )
+# Training metrics shown as their mean over the batches since the last printed line (on a
+# terminal: over the last LIVE_WINDOW batches), not the last batch's value: one rollout batch of
+# 8 prompts swings its accuracy by +-15 points, which read as a collapse in a printout where
+# the 50-batch mean rose steadily (docs/algorithms.md, "Reading the step line").
+AVERAGED_METRICS = ("train/loss", "rollout/reward_mean", "rollout/accuracy", "policy/kl")
+LIVE_WINDOW = 20
 
 
 class StepProgressBar(ProgressBar):
     """Training progress in optimiser steps, `step 20/600` out of trainer.max_steps, with a few
-    metrics under short names (PROGRESS_METRICS) on the line below.
+    metrics under short names (PROGRESS_METRICS) on the line below; the training ones
+    (AVERAGED_METRICS) are means over the batches since the last line.
 
     It follows trainer.global_step, not the batch index: one rollout batch of an RL run can
     make several optimiser steps. On a terminal it is a live rich bar whose last frame stays.
@@ -92,6 +99,7 @@ class StepProgressBar(ProgressBar):
         self._task = None
         self._evaluating = False
         self._printed_step: int | None = None
+        self._recent: dict[str, list[float]] = {}  # AVERAGED_METRICS' values since the last line
 
     def disable(self) -> None:
         self._enabled = False
@@ -107,7 +115,12 @@ class StepProgressBar(ProgressBar):
     def get_metrics(self, trainer, pl_module=None) -> dict[str, str]:
         """Short name -> formatted value of the metrics shown (latest logged values)."""
         logged = trainer.callback_metrics
-        shown = {short: fmt.format(float(logged[name])) for name, short, fmt in PROGRESS_METRICS if name in logged}
+
+        def value(name: str) -> float:
+            recent = self._recent.get(name)
+            return sum(recent) / len(recent) if recent else float(logged[name])
+
+        shown = {short: fmt.format(value(name)) for name, short, fmt in PROGRESS_METRICS if name in logged}
         known = {name for name, _, _ in PROGRESS_METRICS}
         for name, value in trainer.progress_bar_metrics.items():
             if name in known or name == "v_num":
@@ -138,6 +151,13 @@ class StepProgressBar(ProgressBar):
             self._progress.start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        logged = trainer.callback_metrics
+        for name in AVERAGED_METRICS:
+            if name in logged:
+                recent = self._recent.setdefault(name, [])
+                recent.append(float(logged[name]))
+                if not self._plain:
+                    del recent[:-LIVE_WINDOW]
         self._refresh(trainer)
 
     def on_validation_start(self, trainer, pl_module) -> None:
@@ -175,6 +195,7 @@ class StepProgressBar(ProgressBar):
         if self._enabled and self._plain and trainer.global_step != self._printed_step:
             print(f"{self.description(trainer)}  {self.metrics_line(trainer)}".rstrip(), flush=True)
             self._printed_step = trainer.global_step
+            self._recent.clear()
 
     def _stop(self) -> None:
         if self._progress is not None:
