@@ -41,6 +41,7 @@ GRIDS = {
     "prm_vs_outcome": (["experiment", "seed"], 6),
     "mismatch": (["rollout.dtype", "rollout.correction.tis", "seed"], 12),
     "staleness": (["rollout.max_staleness", "rollout.correction.tis", "seed"], 18),
+    "warm_starts": (["algorithm.warm_start.seed", "seed"], 9),
 }
 
 
