@@ -72,7 +72,7 @@ PROGRESS_METRICS = (
 # Training metrics shown as their mean over the batches since the last printed line (on a
 # terminal: over the last LIVE_WINDOW batches), not the last batch's value: one rollout batch of
 # 8 prompts swings its accuracy by +-15 points, which read as a collapse in a printout where
-# the 50-batch mean rose steadily (docs/algorithms.md, "Reading the step line").
+# the 100-batch mean rose steadily (docs/algorithms.md, "What moves the main job's gain").
 AVERAGED_METRICS = ("train/loss", "rollout/reward_mean", "rollout/accuracy", "policy/kl")
 LIVE_WINDOW = 20
 
@@ -113,14 +113,11 @@ class StepProgressBar(ProgressBar):
         return f"step {trainer.global_step}/{total}"
 
     def get_metrics(self, trainer, pl_module=None) -> dict[str, str]:
-        """Short name -> formatted value of the metrics shown (latest logged values)."""
+        """Short name -> formatted value of the metrics shown: the latest logged values, the
+        AVERAGED_METRICS' mean over the batches since the last line."""
         logged = trainer.callback_metrics
-
-        def value(name: str) -> float:
-            recent = self._recent.get(name)
-            return sum(recent) / len(recent) if recent else float(logged[name])
-
-        shown = {short: fmt.format(value(name)) for name, short, fmt in PROGRESS_METRICS if name in logged}
+        shown = {short: fmt.format(self._shown_value(name, logged))
+                 for name, short, fmt in PROGRESS_METRICS if name in logged}
         known = {name for name, _, _ in PROGRESS_METRICS}
         for name, value in trainer.progress_bar_metrics.items():
             if name in known or name == "v_num":
@@ -130,6 +127,10 @@ class StepProgressBar(ProgressBar):
             except (TypeError, ValueError):  # not a single number
                 continue
         return shown
+
+    def _shown_value(self, name: str, logged) -> float:
+        recent = self._recent.get(name)
+        return sum(recent) / len(recent) if recent else float(logged[name])
 
     def metrics_line(self, trainer) -> str:
         text = "  ".join(f"{name} {value}" for name, value in self.get_metrics(trainer).items())
