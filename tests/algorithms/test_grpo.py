@@ -142,26 +142,6 @@ def test_warm_start_is_trained_once_and_shared(make_config, tmp_path, caplog):
     assert own["warm_start"] != first["warm_start"]  # null: the warm start follows the run's seed
 
 
-def test_the_same_warm_start_config_trains_the_same_weights_bit_for_bit(make_config, tmp_path):
-    """A warm start is a function of its config (on one machine): trained twice into two caches,
-    held-out evaluations between its steps as the accuracy target makes them, the same weights."""
-    from safetensors.torch import load_file
-
-    from posttrain.prepare.warm_start import warm_start
-
-    overrides = (*FAST_RUN, *EASY_TASK, "algorithm=grpo", "algorithm.warm_start.steps=12",
-                 "algorithm.warm_start.eval_every=4", "algorithm.warm_start.until_accuracy=1.0")
-
-    def weights(cache: str, *more: str) -> dict:
-        directory = warm_start(make_config(*overrides, *more, f"paths.cache_dir={tmp_path}/{cache}"), run)
-        return load_file(str(next(Path(directory).glob("*.safetensors"))))
-
-    first, second = weights("a"), weights("b")  # two caches: trained twice
-    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-    other_seed = weights("c", "algorithm.warm_start.seed=1")
-    assert not all(torch.equal(first[k], other_seed[k]) for k in first)  # its own seed is part of its config
-
-
 @pytest.mark.slow  # trains to an accuracy (24 s); the target's arithmetic is tested without training
 def test_warm_start_can_stop_at_an_accuracy_target(make_config, tmp_path):
     """until_accuracy ends the warm start at the first eval at or above the target; the

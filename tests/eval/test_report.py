@@ -279,3 +279,20 @@ def test_a_real_two_job_sweep_reports(tmp_path):
             for name in series:
                 if name.startswith(("rollout/", "policy/", "eval/")):
                     assert jsonl[name] == pytest.approx(series[name]), name
+
+
+def test_each_arm_is_judged_against_its_own_start(tmp_path):
+    """Change from the start: each run's end - start, the arm's mean with its t interval, its
+    worst run and the verdict; by hand (t_{0.975, 2} = 4.303)."""
+    root = tmp_path / "sweep"
+    # grpo: +10, +12, +14 points -> mean 12, s = 2, 12 +- 4.303 * 2 / sqrt(3) = [+7.0, +17.0]
+    # dapo: -5, -6, -7 points -> mean -6, s = 1, -6 +- 2.48 = [-8.5, -3.5]; length 5 -> 4 in each (lower: better)
+    for seed, (grpo_end, dapo_end) in enumerate([(0.40, 0.25), (0.42, 0.24), (0.44, 0.23)]):
+        fake_job(root, seed, "grpo", seed, summary(0.30, grpo_end, 4.0, 4.0, 4, 10.0), history([0.1], {}))
+        fake_job(root, 3 + seed, "dapo", seed, summary(0.30, dapo_end, 5.0, 4.0, 4, 10.0), history([0.1], {}))
+    text = write_report(root).read_text()
+    section = text[text.index("## Change from the start"):text.index("## Verdicts")]
+    assert "| 0 | algorithm=grpo | 3 | 30.0 | +12.0 [+7.0, +17.0] | +10.0 | **better** |" in section
+    assert "| 1 | algorithm=dapo | 3 | 30.0 | -6.0 [-8.5, -3.5] | -7.0 | **worse** |" in section
+    # every dapo run shortened by exactly 1 token: no spread, a point interval below 0
+    assert "| 1 | algorithm=dapo | 3 | 5.00 | -1.00 [-1.00, -1.00] | -1.00 | **better** |" in section

@@ -42,6 +42,7 @@ GRIDS = {
     "mismatch": (["rollout.dtype", "rollout.correction.tis", "seed"], 12),
     "staleness": (["rollout.max_staleness", "rollout.correction.tis", "seed"], 18),
     "warm_starts": (["algorithm.warm_start.seed", "seed"], 9),
+    "presets": (["+preset", "algorithm.warm_start.seed", "seed"], 162),
 }
 
 
@@ -81,6 +82,8 @@ def test_each_grid_composes_into_its_jobs(study):
         OmegaConf.resolve(cfg)
         check_config(cfg, {})
         assert keys_without_spec(cfg) == [], "add these keys to the SPECS of src/posttrain/config/"
+        if "limit_train_batches" not in cfg.trainer:  # each arm keeps its preset's own budget (presets)
+            continue
         batches = cfg.trainer.limit_train_batches
         assert cfg.trainer.max_epochs == 1
         assert cfg.trainer.max_steps >= batches * cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches, job

@@ -8,6 +8,7 @@ both. Only rank 0 of a multi-process job trains it, alone, before the job's proc
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from posttrain.conf import CONFIG_DIR
 from posttrain.errors import ConfigError
 from posttrain.prepare.cache import SFT_ENTRIES, built_once, code_version
+from posttrain.prepare.pinned import pin_kernels, runs_pinned, train_pinned
 
 # The recipe's `run(cfg, announce=False)`: trains the SFT config and returns its summary.
 Train = Callable[..., dict]
@@ -62,7 +64,11 @@ def train_warm_start(sft_cfg: DictConfig, target: Path, scratch: Path, label: st
     sft_cfg = sft_cfg.copy()
     with open_dict(sft_cfg):
         sft_cfg.paths.output_dir = str(scratch)
-    summary = train(sft_cfg, announce=False)
+    if runs_pinned(sft_cfg):  # the same weights on every machine: prepare/pinned.py
+        train_pinned(train, sft_cfg, label)
+    else:
+        train(sft_cfg, announce=False)
+    summary = json.loads((scratch / "summary.json").read_text())
     log.info(f"{label}: stopped at step {summary['global_step']}, "
              f"held-out accuracy {summary.get('eval/accuracy', float('nan')):.1%}")
 
@@ -115,6 +121,8 @@ def sft_plan(cfg: DictConfig, settings: DictConfig, key: str, folder: str) -> tu
                 OmegaConf.update(sft_cfg, f"rollout.{key}", off)
         # one process trains it, whatever the RL run's parallelism: trainer=ddp shares trainer=cpu's
         sft_cfg.trainer.devices = 1
+        if runs_pinned(sft_cfg):
+            pin_kernels(sft_cfg)
         sft_cfg.trainer.pop("num_nodes", None)  # more than one node would make Lightning join the job's ranks
         sft_cfg.trainer.pop("strategy", None)
         sft_cfg.trainer.max_steps = settings.steps

@@ -43,8 +43,8 @@ def resume_arguments(arguments: list[str]) -> list[str]:
     return replayed + extra + [f"hydra.run.dir={run_dir}", f"ckpt_path={checkpoint}"]
 
 
-# A swept group and the config keys its options set: an experiment preset sets algorithm keys.
-SWEPT_GROUP_KEYS = {"experiment": ("algorithm",)}
+# A swept group and the config keys its options set: an experiment (a preset) sets algorithm keys.
+SWEPT_GROUP_KEYS = {"experiment": ("algorithm",), "preset": ("algorithm",)}
 
 
 def sweep_arguments(arguments: list[str]) -> list[str]:

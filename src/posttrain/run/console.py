@@ -139,7 +139,7 @@ def print_config_tree(cfg: DictConfig) -> None:
     rich.print(tree)
 
 
-ANNOUNCED_GROUPS = ("experiment", "algorithm", "advantage", "kl_estimator", "reward", "data_curriculum", "model",
+ANNOUNCED_GROUPS = ("preset", "experiment", "algorithm", "advantage", "kl_estimator", "reward", "data_curriculum", "model",
                     "data")
 
 

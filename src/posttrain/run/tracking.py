@@ -156,7 +156,7 @@ def sweeps_task(sweep_dir: Path) -> bool:
         return True
     overrides = list(OmegaConf.load(record).hydra.overrides.task)
     swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()}
-    return bool(swept & {"algorithm", "experiment", "task_name"})
+    return bool(swept & {"algorithm", "experiment", "preset", "task_name"})
 
 
 def run_config(cfg: DictConfig) -> dict:

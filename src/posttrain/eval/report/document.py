@@ -11,7 +11,7 @@ from posttrain.eval.report.plots import write_plots
 from posttrain.eval.report.runs import ReportError, Run, check_keys, group_runs, load_histories, load_runs, varying_keys
 from posttrain.eval.report.suites import suites_section
 from posttrain.eval.report.tables import HEADER, choice_rows, markdown_table, over_budget, rows
-from posttrain.eval.report.verdicts import pick_baseline, verdict_section
+from posttrain.eval.report.verdicts import change_section, pick_baseline, verdict_section
 
 
 def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None = None, smooth: int = 1,
@@ -40,6 +40,7 @@ def write_report(root: Path, by: list[str] | None = None, out_dir: Path | None =
     lines = choices_section(root, runs, groups, by)
     lines += invalid_section(runs)
     lines += suites_section(groups, by)
+    lines += change_section(groups, labels)
     lines += verdict_section(groups, labels, baseline_index, simultaneous)
     lines += calibration_section(groups, labels, by, out_dir)
     lines += curves_section(runs, pictures, x_axis, smooth)

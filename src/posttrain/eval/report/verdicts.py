@@ -92,6 +92,49 @@ def verdict_table(groups: dict[tuple, list[Run]], labels: list[str], baseline: i
     return body
 
 
+def change_table(groups: dict[tuple, list[Run]], labels: list[str], key: str, scale: float, fmt: str,
+                 higher_is_better: bool) -> list[list[str]]:
+    """One row per arm whose runs logged `key` and its start (`key`_start): #, arm, n, start,
+    change [95% CI], lowest change, verdict. The change is each run's own (end - start: its seed,
+    its warm start), so runs of one arm need not pair with another's."""
+    body = []
+    for i, (label, members) in enumerate(zip(labels, groups.values())):
+        pairs = [(run.summary.get(f"{key}_start"), run.summary.get(key)) for run in members]
+        pairs = [(scale * float(a), scale * float(b)) for a, b in pairs
+                 if a is not None and b is not None and math.isfinite(float(a)) and math.isfinite(float(b))]
+        if not pairs:
+            continue
+        changes = [end - start for start, end in pairs]
+        change = statistics.mean_interval(changes, CONFIDENCE_LEVEL)
+        judged = statistics.verdict(change, higher_is_better)
+        worst = min(changes) if higher_is_better else max(changes)
+        body.append([str(i), label, str(len(changes)), format(statistics.mean([a for a, _ in pairs]), fmt),
+                     interval_text(change, "+" + fmt), format(worst, "+" + fmt),
+                     judged if judged == "within noise" else f"**{judged}**"])
+    return body
+
+
+def change_section(groups: dict[tuple, list[Run]], labels: list[str]) -> list[str]:
+    """Each arm against its own start: per judged metric with a start value (accuracy, response
+    length), the mean change over the arm's runs with its 95% interval and the verdict."""
+    runs = [run for members in groups.values() for run in members]
+    lines = []
+    for title, key, scale, fmt, higher_is_better in VERDICT_METRICS:
+        if not any(f"{key}_start" in run.summary for run in runs):
+            continue
+        direction = "higher is better" if higher_is_better else "lower is better"
+        lines += [f"### {title}: `{key}` against its start, {direction}", "",
+                  *markdown_table(["#", "arm", "n", "start", "change [95% CI]", "worst run", "verdict"],
+                                  change_table(groups, labels, key, scale, fmt, higher_is_better)), ""]
+    if not lines:
+        return []
+    return ["## Change from the start", "",
+            ("Per arm, each run's change from its own start (the held-out evaluation before its first step), "
+             "the mean over the arm's runs with its 95% interval (Student's t) and the run that moved least "
+             "(or most, where lower is better). **better** / **worse**: the interval excludes 0 on the "
+             "metric's good / bad side."), "", *lines]
+
+
 def noise_floor_text(values: dict[str, float], fmt: str) -> str:
     """The baseline's seed spread: its sample std and its mean's interval half-width."""
     if len(values) < 2:
