@@ -68,8 +68,8 @@ def two_arm_sweep(root: Path, grpo: list[float], dapo: list[float], dapo_seeds=(
 
 
 def verdict_rows(text: str, metric: str) -> list[str]:
-    """The table rows of one metric's verdict section."""
-    section = text.split(f"`{metric}`", 1)[1].split("###", 1)[0].split("## ", 1)[0]
+    """The table rows of one metric's verdict section (after the change-from-the-start tables)."""
+    section = text.split("## Verdicts", 1)[1].split(f"`{metric}`", 1)[1].split("###", 1)[0].split("## ", 1)[0]
     return [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| #")]
 
 
