@@ -2,7 +2,8 @@
 forward and backward is one, under trainer=ddp every optimiser step all-reduces). Two gloo
 processes on CPU run `posttrain.train.run` as torchrun starts it, for every kind of module, with
 deliberately uneven per-rank data: online RL (GRPO, PPO) where dynamic sampling leaves rank 1 a
-third of rank 0's rows, with micro-batches and more minibatches than rank 1 has rows for; DPO,
+third of rank 0's rows, with micro-batches (of rows, or packed by tokens so that the ranks plan
+different numbers) and more minibatches than rank 1 has rows for; DPO,
 the reward model, the PRM and SFT with an odd number of held-out items, so the ranks' shares
 differ. Each case runs under a timeout (a hang is reported as one), and must: take exactly
 ppo_epochs x num_minibatches optimiser steps per rollout batch; count every held-out item once;
@@ -26,6 +27,7 @@ from posttrain.algorithms.base import PosttrainModule
 from posttrain.algorithms.experience import PER_TOKEN, Experience
 from posttrain.algorithms.online import OnlineRLModule
 from posttrain.algorithms.online.learner import Learner
+from posttrain.algorithms.online.micro_batches import plan_micro_batches
 from posttrain.algorithms.online.sampler import PolicySampler
 from posttrain.distributed import collectives
 from posttrain.distributed.collectives import rank_and_world
@@ -47,15 +49,24 @@ PROMPTS_PER_STEP, GROUP_SIZE = 3, 4
 # no extra round), so that 2 of its 6 minibatches are empty; in GRPO rank 1 alone needs an extra
 # sampling round (which rank 0 must join: under FSDP each generate call is a collective) and
 # keeps 8 rows, so in 2 minibatches the ranks have 3 and 2 micro-batches of 2 rows
-ONLINE = {"grpo": {"ppo_epochs": 1, "num_minibatches": 2}, "ppo": {"ppo_epochs": 2, "num_minibatches": 6}}
-EXTRA_ROUNDS = {"grpo": 1, "ppo": 0}
+ONLINE = {"grpo": {"ppo_epochs": 1, "num_minibatches": 2}, "ppo": {"ppo_epochs": 2, "num_minibatches": 6},
+          "grpo_tokens": {"ppo_epochs": 1, "num_minibatches": 2}}
+EXTRA_ROUNDS = {"grpo": 1, "ppo": 0, "grpo_tokens": 1}
 # GRPO also samples in bf16 with both train-inference corrections on and a budget every batch
 # exceeds: the corrected update, the mismatch metrics and the budget's verdict are those of the
 # union of the ranks' tokens
 MISMATCHED = {"grpo": ("rollout.dtype=bfloat16", "rollout.correction.tis=token", "rollout.correction.mis=sequence",
                        "rollout.correction.mis_low=0.9", "rollout.correction.mis_high=1.1",
-                       "rollout.mismatch_budget.kl=1e-12"), "ppo": ()}
+                       "rollout.mismatch_budget.kl=1e-12"), "ppo": (), "grpo_tokens": ()}
 MICRO_BATCH = 2
+# grpo_tokens: GRPO whose micro-batches are packed by a token budget (algorithm.micro_batch_tokens)
+# rather than by rows. The rows are a 6-token prompt and up to 8 response tokens: 2 of the
+# longest fit, 3 only if short, so a minibatch of rank 0's 6 rows plans about 3 micro-batches
+# and one of rank 1's 4 rows about 2, of different widths
+MICRO_BATCH_TOKENS = 28
+MICRO_BATCHES = {"grpo": f"algorithm.micro_batch_size={MICRO_BATCH}", "ppo": f"algorithm.micro_batch_size={MICRO_BATCH}",
+                 "grpo_tokens": f"algorithm.micro_batch_tokens={MICRO_BATCH_TOKENS}"}
+ALGORITHM = {"grpo_tokens": "grpo"}  # an online case's algorithm, where the case is not named after it
 
 
 def uneven_digit_share(samples, source):
@@ -90,13 +101,13 @@ def async_config(out_dir, *trainer):
     return cfg
 
 
-def online_config(out_dir, algorithm, *trainer):
-    steps = ONLINE[algorithm]["ppo_epochs"] * ONLINE[algorithm]["num_minibatches"]  # one rollout batch
-    cfg = grpo_config(out_dir, *trainer, f"algorithm={algorithm}", "reward.components.digits._target_="
+def online_config(out_dir, kind, *trainer):
+    steps = ONLINE[kind]["ppo_epochs"] * ONLINE[kind]["num_minibatches"]  # one rollout batch
+    cfg = grpo_config(out_dir, *trainer, f"algorithm={ALGORITHM.get(kind, kind)}", "reward.components.digits._target_="
                       "test_uneven_ranks.uneven_digit_share", "data_curriculum=dynamic_sampling",
-                      f"data_curriculum.max_extra_rounds={EXTRA_ROUNDS[algorithm]}", f"algorithm.prompts_per_step={PROMPTS_PER_STEP}",
-                      f"algorithm.group_size={GROUP_SIZE}", f"algorithm.micro_batch_size={MICRO_BATCH}",
-                      *(f"algorithm.{key}={value}" for key, value in ONLINE[algorithm].items()), *MISMATCHED[algorithm],
+                      f"data_curriculum.max_extra_rounds={EXTRA_ROUNDS[kind]}", f"algorithm.prompts_per_step={PROMPTS_PER_STEP}",
+                      f"algorithm.group_size={GROUP_SIZE}", MICRO_BATCHES[kind],
+                      *(f"algorithm.{key}={value}" for key, value in ONLINE[kind].items()), *MISMATCHED[kind],
                       f"trainer.max_steps={steps}", "trainer.val_check_interval=1",
                       f"callbacks.checkpoint.every_n_train_steps={steps}", f"eval.num_prompts={HELD_OUT_PROMPTS}",
                       "eval.batch_size=2", "num_threads=1", f"paths.cache_dir={out_dir}/cache")
@@ -174,11 +185,11 @@ def case_configs(kind: str, trainer: tuple[str, ...], out) -> list[dict]:
 
 
 # what each case counts once over the ranks, and the Hugging Face class its export loads with
-HELD_OUT = {"grpo": HELD_OUT_PROMPTS, "grpo_async": HELD_OUT_PROMPTS, "grpo_episodes": HELD_OUT_PROMPTS, "ppo": HELD_OUT_PROMPTS, "sft": HELD_OUT_PROMPTS, "dpo": HELD_OUT_PROMPTS,
+HELD_OUT = {"grpo": HELD_OUT_PROMPTS, "grpo_tokens": HELD_OUT_PROMPTS, "grpo_async": HELD_OUT_PROMPTS, "grpo_episodes": HELD_OUT_PROMPTS, "ppo": HELD_OUT_PROMPTS, "sft": HELD_OUT_PROMPTS, "dpo": HELD_OUT_PROMPTS,
             "reward_model": VALIDATION_PAIRS, "reward_model_heads": VALIDATION_PAIRS, "prm": VALIDATION_PROMPTS}
 EXPORT_CLASS = {"reward_model": AutoModelForSequenceClassification,
                 "reward_model_heads": AutoModelForSequenceClassification, "prm": AutoModelForTokenClassification}
-KINDS = ("grpo", "grpo_async", "grpo_episodes", "ppo", "dpo", "reward_model", "reward_model_heads", "prm", "sft")
+KINDS = ("grpo", "grpo_tokens", "grpo_async", "grpo_episodes", "ppo", "dpo", "reward_model", "reward_model_heads", "prm", "sft")
 TRAINERS = {"ddp": DDP, "fsdp": ("trainer=fsdp",)}
 
 
@@ -186,13 +197,14 @@ TRAINERS = {"ddp": DDP, "fsdp": ("trainer=fsdp",)}
 
 def recording_modules() -> list:
     """Patch this process's modules to keep what the checks read: every module built, the rows
-    of each rollout batch's update, each minibatch (for the replay) and the held-out prompts
-    counted at the last evaluation."""
+    of each rollout batch's update, each minibatch (for the replay) and the micro-batches its
+    update ran, and the held-out prompts counted at the last evaluation."""
     built = []
 
     def init(self, *args, original=PosttrainModule.__init__, **kwargs):
         original(self, *args, **kwargs)
         self.update_rows, self.minibatches, self.counted_prompts, self.generate_calls = [], [], None, 0
+        self.micro_batches_run = []  # per minibatch: the training forwards, stand-ins included
         self.turns = []  # per rollout batch, each row's policy turns (with an environment)
         built.append(self)
 
@@ -213,7 +225,12 @@ def recording_modules() -> list:
     def minibatch_step(self, exp, *args, original=Learner.minibatch_step, **kwargs):
         module = built[-1]  # the learner of the module this process built last
         module.minibatches.append((module.train_batches_seen, copy.deepcopy(exp)))
+        module.micro_batches_run.append(0)
         return original(self, exp, *args, **kwargs)
+
+    def training_forward(self, *args, original=Learner.training_forward, **kwargs):
+        built[-1].micro_batches_run[-1] += 1
+        return original(self, *args, **kwargs)
 
     def epoch_end(self, original=PosttrainModule.on_validation_epoch_end):
         self.counted_prompts = len(self._eval_correct)  # this rank's, before the sum over ranks
@@ -221,7 +238,7 @@ def recording_modules() -> list:
 
     PosttrainModule.__init__, PosttrainModule.on_validation_epoch_end = init, epoch_end
     PosttrainModule.generate, PolicySampler.generate = generate, sample
-    OnlineRLModule.update, Learner.minibatch_step = update, minibatch_step
+    OnlineRLModule.update, Learner.minibatch_step, Learner.training_forward = update, minibatch_step, training_forward
     return built
 
 
@@ -250,6 +267,7 @@ def cases_worker(rank, port, cases, out_dir):
             record = {"summary": summary, "held_out": held_out_counted(module, kind),
                       "weights": full_state_dict(module.policy, rank0_only=False),  # gathered under fsdp
                       "update_rows": module.update_rows, "minibatches": module.minibatches,
+                      "micro_batches_run": module.micro_batches_run,
                       "generate_calls": module.generate_calls, "turns": module.turns,
                       "batches": module.train_batches_seen}
             torch.save(record, out_dir / f"{kind}.rank{rank}.pt")
@@ -353,6 +371,18 @@ def test_online_rl_on_uneven_ranks_takes_the_configured_steps_and_equals_one_pro
 
     assert_one_process_steps_to_the_same_weights(online_config(tmp_path, kind, "+trainer.limit_val_batches=0"), ranks,
                                                  steps)
+
+
+def test_ranks_planning_different_numbers_of_micro_batches_by_tokens_run_as_many(uneven_job):
+    """grpo_tokens: in a minibatch the ranks' token plans differ in length (rank 1 has fewer
+    rows); each rank runs the longer plan's number of micro-batches, the shorter padded with
+    stand-ins. That the weights are one process's is test_online_rl_on_uneven_ranks_...'s check."""
+    ranks = finished(uneven_job, "grpo_tokens")
+    planned = [[len(plan_micro_batches(*(lengths.tolist() for lengths in exp.row_widths()),
+                                       max_tokens=MICRO_BATCH_TOKENS)) for _, exp in rank["minibatches"]]
+               for rank in ranks]
+    assert planned[0] != planned[1]
+    assert ranks[0]["micro_batches_run"] == ranks[1]["micro_batches_run"] == [max(n) for n in zip(*planned)]
 
 
 def test_multi_turn_episodes_of_uneven_ranks_agree_and_equal_one_process(uneven_job, tmp_path):

@@ -71,9 +71,24 @@ class Experience:
     def without_trailing_padding(self) -> "Experience":
         """Drop the response columns that are padding in every row. Attention is causal, so
         they never touch a real token: removing them changes no log-prob, only the cost."""
-        width = max(1, int(last_token_index(self.sequence_mask()).max()) + 1)
+        width = max(1, int(response_extent(self.sequence_mask()).max()))
         return replace(self, **{f.name: getattr(self, f.name)[:, :width] for f in fields(self)
                                 if f.name in PER_TOKEN and getattr(self, f.name) is not None})
+
+    def without_padding(self) -> "Experience":
+        """Drop the columns that are padding in every row: the response's trailing ones and the
+        prompt's leading ones (prompts are left-padded). Positions count real tokens only
+        (models.functional.real_token_positions), so no real token moves: the log-probs are
+        unchanged, the cost is that of the widest prompt + the widest response of these rows."""
+        prompt_width = max(1, int(prompt_extent(self.prompt_mask).max()))
+        first = max(0, self.prompt_mask.shape[1] - prompt_width)  # a batch without prompt columns keeps none
+        return replace(self.without_trailing_padding(), **{name: getattr(self, name)[:, first:] for name in PER_PROMPT})
+
+    def row_widths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B] prompt, [B] response) columns each row needs: from its first real prompt token,
+        up to its last response token. A batch of these rows trimmed by `without_padding` is
+        (its widest prompt + its widest response) columns wide."""
+        return prompt_extent(self.prompt_mask), response_extent(self.sequence_mask())
 
     def to(self, device) -> "Experience":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -108,14 +123,26 @@ class Experience:
         return Experience(**merged)
 
 
+PER_PROMPT = ("prompt_ids", "prompt_mask")  # the [B, P] fields: left-padded
 PER_TOKEN = ("response_ids", "response_mask", "rollout_logprobs", "support_size", "support_logprobs", "step_rewards",
              "step_mask", "env_mask", "turn_rewards", "policy_version", "old_logp", "ref_logp", "values", "teacher_logp", "token_rewards", "advantages", "returns")
-
-
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """[B] the index of each row's last token in `mask` [B, T] (0 for an empty row). Not the
     mask's sum - 1: a multi-turn response has the environment's tokens between the policy's."""
-    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    return ((mask > 0).long() * positions).amax(dim=1).sub(1).clamp(min=0)
+    return response_extent(mask).sub(1).clamp(min=0)
+
+
+def response_extent(mask: torch.Tensor) -> torch.Tensor:
+    """[B] columns of `mask` [B, T] up to and including each row's last token (0 for an empty row)."""
+    if mask.shape[1] == 0:  # no column at all (prompts of width 0): amax would have nothing to reduce
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    columns_so_far = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return ((mask > 0).long() * columns_so_far).amax(dim=1)
+
+
+def prompt_extent(mask: torch.Tensor) -> torch.Tensor:
+    """[B] columns of a left-padded `mask` [B, P] from each row's first token to the end (0 for
+    an empty row): `response_extent` read from the right."""
+    return response_extent(mask.flip(dims=[1]))

@@ -24,6 +24,7 @@ from posttrain.algorithms.experience import Experience
 from posttrain.algorithms.formulas import AGGREGATION_OPTIONS
 from posttrain.core.options import Option, boolean, integer, number, optional
 from posttrain.algorithms.online.collect import rank_seed
+from posttrain.algorithms.online.micro_batches import plan_micro_batches
 from posttrain.algorithms.online.terms import MISMATCH_SUMS, MicroBatch
 from posttrain.distributed.collectives import all_reduce_max, all_reduce_sum, average_gradients, rank_and_world
 from posttrain.errors import RewardError
@@ -41,6 +42,9 @@ LEARNER_OPTIONS = (
     Option("ppo_epochs", 1, integer(1), "passes over each rollout batch"),
     Option("num_minibatches", 1, integer(1), "optimiser steps per pass"),
     Option("micro_batch_size", None, optional(integer(1)), "null: the whole minibatch at once"),
+    Option("micro_batch_tokens", None, optional(integer(1)),
+           "null: by rows; else rows sorted by length, each micro-batch's rows x (widest prompt + widest "
+           "response) at most this (a longer row alone); with micro_batch_size both caps hold"),
     *AGGREGATION_OPTIONS,  # the policy loss's aggregation (formulas.py)
     Option("mask_truncated", False, boolean(), "overlong filtering: truncated responses leave the loss"),
     Option("entropy_coef", 0.0, number(), "weight of the entropy bonus; 0: logged only"),
@@ -98,6 +102,7 @@ class Learner:
         self.policy, self.parts, self.terms, self.steppers, self.scoring = policy, parts, terms, steppers, scoring
         self.ppo_epochs, self.num_minibatches = settings["ppo_epochs"], settings["num_minibatches"]
         self.micro_batch_size, self.max_grad_norm = settings["micro_batch_size"], settings["max_grad_norm"]
+        self.micro_batch_tokens = settings["micro_batch_tokens"]
         self.mask_truncated, self.entropy_coef = settings["mask_truncated"], settings["entropy_coef"]
         self.aggregation, self.seed = aggregation, seed
         self.roles = [part for part in parts if part.role_terms()]  # parts stepping a role of their own
@@ -156,7 +161,7 @@ class Learner:
         generator = torch.Generator().manual_seed(rank_seed(self.seed * 7919 + batch_index, *rank_and_world()))
         # what a rank computes, weighted 0, in the micro-batches it runs beyond its own rows (see
         # accumulate_gradients), also in a minibatch it has no rows of (more minibatches than rows)
-        stand_in = exp.select(torch.zeros(1, dtype=torch.long, device=exp.response_mask.device))
+        stand_in = first_row(exp)
         totals: dict[str, float] = {}
         updates: dict[str, int] = {}
         mismatch: dict[str, float] = {}
@@ -203,6 +208,9 @@ class Learner:
         sequence counts summed over micro-batches and ranks (so the gradient is the full
         batch's, however it is split). Returns the terms' stats.
 
+        The micro-batches are `plan_micro_batches`' (by rows, by tokens, or both), each trimmed
+        to the columns its own rows need (`Experience.without_padding`).
+
         Every rank runs as many micro-batches as the rank with the most (under FSDP each forward
         and backward is a collective): a rank with fewer rows pads with micro-batches of
         `stand_in` (a one-row Experience; default: exp's first row) whose loss is weighted 0, so
@@ -214,20 +222,16 @@ class Learner:
                       dp_size=rank_and_world()[1])
         aggregation = {**self.aggregation, **counts}
         train_roles = bool(self.roles)
-        micro = self.micro_batch_size or max(1, len(exp))
-        starts = range(0, len(exp), micro)
-        num_micro = int(all_reduce_max(torch.tensor(len(starts), device=device)))
-        stand_in = stand_in if stand_in is not None else exp.select(torch.zeros(1, dtype=torch.long, device=device))
+        plan = plan_micro_batches(*(lengths.tolist() for lengths in exp.row_widths()),
+                                  max_rows=self.micro_batch_size, max_tokens=self.micro_batch_tokens)
+        num_micro = int(all_reduce_max(torch.tensor(len(plan), device=device)))
+        stand_in = stand_in if stand_in is not None else first_row(exp)
         terms = (self.terms if train_policy else []) + [term for part in self.roles for term in part.role_terms()]
         sums: dict[str, float] = {}
         for index in range(num_micro):
-            padding = index >= len(starts)
-            if padding:
-                part, part_mask = stand_in, self.loss_mask(stand_in)
-            else:
-                start = starts[index]
-                part = exp.select(torch.arange(start, min(start + micro, len(exp)), device=device))
-                part_mask = mask[start:start + micro]
+            padding = index >= len(plan)
+            part = stand_in if padding else exp.select(torch.tensor(plan[index], device=device)).without_padding()
+            part_mask = self.loss_mask(part)  # a row's mask is its own (truncation is a row's flag): `mask`'s rows
             logp, entropy, values, logits = self.training_forward(part, with_values=train_roles)
             extras = {}
             for p in self.parts:
@@ -286,6 +290,12 @@ class Learner:
             optimizer.optimizer.step()  # the raw optimiser: not one of Lightning's global steps
             schedule.step()
         return norm
+
+
+def first_row(exp: Experience) -> Experience:
+    """A one-row Experience of `exp`'s first row, trimmed: the stand-in a rank computes, weighted 0,
+    in the micro-batches it runs beyond its own rows (see Learner.accumulate_gradients)."""
+    return exp.select(torch.zeros(1, dtype=torch.long, device=exp.response_mask.device)).without_padding()
 
 
 def as_list(items) -> list:
