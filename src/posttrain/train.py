@@ -52,6 +52,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     )
     from posttrain.run.console import announce_run, print_before_after
     from posttrain.run.host_memory import return_freed_memory
+    from posttrain.run.precision import cpu_precision
     from posttrain.run.preemption import Preemption, cluster_plugins
     from posttrain.run.tracking import build_logger, finish_logger, run_name, wandb_mode
     from posttrain.run.user_components import check_user_components
@@ -117,6 +118,8 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     if ckpt_path is not None:
         check_checkpoint_shapes(ckpt_path, stored_shapes, module)
     record = RunRecord(cfg.algorithm.name)  # in every checkpoint: the algorithm, the start metrics
+    # bf16-mixed on a CPU without native bf16 would emulate it, slower than fp32: 32-true, said below
+    cfg.trainer.precision, precision_change = cpu_precision(cfg.trainer.precision, cfg.trainer.accelerator)
     logger = build_logger(cfg, output_dir, run_name(choices, cfg))
     try:  # run() owns the logger: its run ends with the job, also when the job fails
         # Preemption owns SIGTERM / SIGUSR1 / SIGUSR2 (checkpoint, requeue, non-zero exit);
@@ -124,6 +127,8 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
         trainer = instantiate(cfg.trainer, logger=logger,
                               callbacks=build_callbacks(cfg, output_dir) + [record, Preemption(output_dir / "checkpoints")],
                               plugins=cluster_plugins(), enable_progress_bar=cfg.callbacks.progress_bar != "none")
+        if precision_change is not None and trainer.is_global_zero:
+            print(precision_change, flush=True)
         if announce and trainer.is_global_zero:
             announce_run(cfg, choices, output_dir, ckpt_path)
 

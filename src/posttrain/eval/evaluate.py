@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from posttrain.core.options import is_int
 from posttrain.errors import ConfigError, DataError
 from posttrain.run.boundary import hydra_command, log, silence_expected_warnings
+from posttrain.run.precision import cpu_precision
 from posttrain.run.run_dir import find_weights, is_adapter_dir, load_from_adapter
 
 # What a run's config.yaml decides, so that the tokenizer, task, prompts and numerics are training's.
@@ -228,7 +229,10 @@ def evaluate(cfg: DictConfig) -> dict:
                                      eval_num_prompts=cfg.eval.num_prompts, eval_batch_size=cfg.eval.batch_size)
     if not datamodule.eval_examples:
         raise DataError(f"eval.split={cfg.eval.split!r} has no examples to evaluate on")
-    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
+    precision, precision_change = cpu_precision(cfg.trainer.precision, cfg.trainer.accelerator)
+    if precision_change is not None:
+        print(precision_change, flush=True)
+    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=precision,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(output_dir))
 

@@ -52,8 +52,10 @@ def runs_pinned(sft_cfg: DictConfig) -> bool:
 
 
 def pin_kernels(sft_cfg: DictConfig) -> None:
-    """Set what the pinned run needs in the SFT config itself (part of its cache key): the CPU, one thread."""
+    """Set what the pinned run needs in the SFT config itself (part of its cache key): the CPU in
+    fp32 (a bf16-mixed RL run, trainer=cpu_bf16, starts from the fp32 runs' start), one thread."""
     sft_cfg.trainer.accelerator = "cpu"
+    sft_cfg.trainer.precision = "32-true"
     sft_cfg.num_threads = 1
 
 
