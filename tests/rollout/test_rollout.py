@@ -198,6 +198,20 @@ def test_rotary_that_cannot_be_paired_is_left_to_the_hf_loop(edit, reason):
     assert not FastSampler().uses_functional_path(model)
 
 
+def test_the_rotary_check_runs_once_per_rotary_module_and_nothing_is_sharded_without_a_process_group():
+    """Asked at every training forward and sampling call, the check runs the rotary module once
+    (then its cached answer); a new rotary module is checked anew (the test above)."""
+    from posttrain.models.functional import any_sharded
+
+    model = _small_llama()
+    calls = []
+    model.model.rotary_emb.register_forward_hook(lambda *args: calls.append(1))
+    for _ in range(3):
+        assert unsupported_reason(model) is None
+    assert len(calls) == 1
+    assert not torch.distributed.is_initialized() and not any_sharded(model)
+
+
 def test_unsupported_architecture_uses_generic_loop_and_matches_hf_greedy():
     config = transformers.GPT2Config(vocab_size=16, n_embd=32, n_layer=2, n_head=2, n_positions=64)
     model = _init(transformers.GPT2LMHeadModel, config)

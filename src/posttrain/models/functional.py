@@ -34,6 +34,7 @@ offset of left padding only moves rounding).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -69,15 +70,30 @@ def unsupported_reason(model: nn.Module, *, allow_sharded: bool = False) -> Opti
     attn = base.layers[0].self_attn
     if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
         return "q/k norms (Qwen3-style) are not supported"
-    if not allow_sharded and any(_is_sharded(p) for p in model.parameters()):
+    if not allow_sharded and any_sharded(model):
         return "parameters are sharded DTensors (FSDP2): gather them first, or use the HF loop"
     return _rotary_reason(base.rotary_emb, config, base.embed_tokens.weight.device)
 
 
+# rotary module -> (head_dim, device, its reason): the check runs the module, and it is asked
+# at every training forward and sampling call (a few % of a small step), for the same answer
+_ROTARY_REASONS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
 def _rotary_reason(rotary: nn.Module, config, device: torch.device) -> Optional[str]:
     """The decoder rotates (i, i + D/2) pairs of every head dimension by one angle, as
-    ``rotate_half`` does: cos/sin must span the head and repeat their first half."""
+    ``rotate_half`` does: cos/sin must span the head and repeat their first half. Computed once
+    per rotary module, head dimension and device."""
     head_dim = _head_dim(config)
+    cached = _ROTARY_REASONS.get(rotary)
+    if cached is not None and cached[:2] == (head_dim, device):
+        return cached[2]
+    reason = _measured_rotary_reason(rotary, head_dim, device)
+    _ROTARY_REASONS[rotary] = (head_dim, device, reason)
+    return reason
+
+
+def _measured_rotary_reason(rotary: nn.Module, head_dim: int, device: torch.device) -> Optional[str]:
     with torch.no_grad():
         positions = torch.tensor([[1, 7]], device=device)
         cos, sin = rotary(torch.empty(0, dtype=torch.float32, device=device), positions)
@@ -102,6 +118,15 @@ except ImportError:  # torch built without distributed
 def _is_sharded(param: torch.Tensor) -> bool:
     """FSDP2 parameters are DTensors: reading them directly would see one shard."""
     return DTensor is not None and isinstance(param, DTensor)
+
+
+def any_sharded(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor. A DTensor lives on a device mesh,
+    which needs a process group: without one the walk over every parameter (at every training
+    forward and sampling call) is skipped."""
+    if DTensor is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    return any(_is_sharded(p) for p in model.parameters())
 
 
 def _pair_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
