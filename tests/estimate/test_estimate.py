@@ -78,6 +78,23 @@ def test_doubling_the_batch_doubles_activations_and_kv_cache_and_leaves_the_weig
     assert two.flops["update"] > 1.9 * one.flops["update"]
 
 
+def test_a_token_budget_sizes_the_micro_batch_by_full_rows(tmp_path):
+    """algorithm.micro_batch_tokens: as many full rows (prompt + every response token) as the
+    budget holds, at least one; the tighter of it and micro_batch_size wins."""
+    rows = [*GRPO, "algorithm.prompts_per_step=4", "algorithm.group_size=8"]  # 32 rows of 10 + 50 tokens
+    whole = estimated(rows, tmp_path, prompt_tokens=10, response_tokens=50)
+    budget = estimated([*rows, "algorithm.micro_batch_tokens=500"], tmp_path, prompt_tokens=10, response_tokens=50)
+    assert (whole.batch["micro_rows"], whole.batch["micro_batches"]) == (32, 1)
+    assert (budget.batch["micro_rows"], budget.batch["micro_batches"]) == (8, 4)  # 500 // 60
+    assert budget.batch["micro_prompts"] == 1  # one whole group a micro-batch: its prompt runs once
+    assert budget.memory["update"]["activations"] == pytest.approx(whole.memory["update"]["activations"] / 4, rel=0.05)
+    tiny = estimated([*rows, "algorithm.micro_batch_tokens=10"], tmp_path, prompt_tokens=10, response_tokens=50)
+    assert tiny.batch["micro_rows"] == 1 and tiny.batch["micro_batches"] == 32  # a row over the budget runs alone
+    both = estimated([*rows, "algorithm.micro_batch_tokens=500", "algorithm.micro_batch_size=4"], tmp_path,
+                     prompt_tokens=10, response_tokens=50)
+    assert both.batch["micro_rows"] == 4
+
+
 def test_checkpointing_keeps_less_and_costs_a_forward_more(tmp_path):
     plain = estimated(GRPO, tmp_path, prompt_tokens=10)
     checkpointed = estimated([*GRPO, "model.gradient_checkpointing=true"], tmp_path, prompt_tokens=10)

@@ -61,12 +61,14 @@ def batch_of(cfg, prompt_tokens: int, response_tokens: int | None) -> Batch:
     minibatches = int(algorithm.get("num_minibatches", 1) or 1)
     minibatch_rows = math.ceil(rows / minibatches)
     micro_rows = min(int(algorithm.get("micro_batch_size") or minibatch_rows), minibatch_rows)
+    response_tokens = response_tokens or int(cfg.rollout.get("max_new_tokens") or cfg.data.max_response_tokens)
+    if algorithm.get("micro_batch_tokens"):  # every response full: as many whole rows as the budget holds (>= 1)
+        micro_rows = min(micro_rows, max(1, int(algorithm.micro_batch_tokens) // (prompt_tokens + response_tokens)))
     # rows stay in batch order in one minibatch: groups stay whole when the micro-batch holds
-    # whole groups; a random minibatch splits them (every row then runs its own prompt)
+    # whole groups (by tokens too: rows of equal length keep their order); a random minibatch
+    # splits them (every row then runs its own prompt)
     shares_prompts = online and minibatches == 1 and micro_rows % group == 0
-    return Batch(prompts=prompts, rows=rows, prompt_tokens=prompt_tokens,
-                 response_tokens=response_tokens or int(cfg.rollout.get("max_new_tokens") or
-                                                        cfg.data.max_response_tokens),
+    return Batch(prompts=prompts, rows=rows, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
                  micro_rows=micro_rows, micro_prompts=micro_rows // group if shares_prompts else micro_rows,
                  micro_batches=math.ceil(minibatch_rows / micro_rows),
                  optimiser_steps=int(algorithm.get("ppo_epochs", 1) or 1) * minibatches,
