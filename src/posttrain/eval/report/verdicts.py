@@ -67,6 +67,12 @@ def method_text(difference: statistics.Interval) -> str:
     return "Welch" + (f", df {difference.df:.1f}" if math.isfinite(difference.df) else ", no spread")
 
 
+def verdict_cell(difference: statistics.Interval, higher_is_better: bool) -> str:
+    """The verdict on an interval, in bold where it is one (better / worse)."""
+    judged = statistics.verdict(difference, higher_is_better)
+    return judged if judged == "within noise" else f"**{judged}**"
+
+
 def verdict_table(groups: dict[tuple, list[Run]], labels: list[str], baseline: int, key: str, scale: float,
                   fmt: str, higher_is_better: bool, difference_level: float = CONFIDENCE_LEVEL) -> list[list[str]]:
     """One row per arm that has the metric: #, arm, n, mean [CI], difference [CI], interval, verdict.
@@ -85,9 +91,8 @@ def verdict_table(groups: dict[tuple, list[Run]], labels: list[str], baseline: i
             row += ["", "", "baseline lacks it"]
         else:
             difference = statistics.arm_difference(values, reference, difference_level)
-            judged = statistics.verdict(difference, higher_is_better)
             row += [interval_text(difference, "+" + fmt), method_text(difference),
-                    judged if judged == "within noise" else f"**{judged}**"]
+                    verdict_cell(difference, higher_is_better)]
         body.append(row)
     return body
 
@@ -106,11 +111,10 @@ def change_table(groups: dict[tuple, list[Run]], labels: list[str], key: str, sc
             continue
         changes = [end - start for start, end in pairs]
         change = statistics.mean_interval(changes, CONFIDENCE_LEVEL)
-        judged = statistics.verdict(change, higher_is_better)
         worst = min(changes) if higher_is_better else max(changes)
         body.append([str(i), label, str(len(changes)), format(statistics.mean([a for a, _ in pairs]), fmt),
                      interval_text(change, "+" + fmt), format(worst, "+" + fmt),
-                     judged if judged == "within noise" else f"**{judged}**"])
+                     verdict_cell(change, higher_is_better)])
     return body
 
 
