@@ -49,7 +49,7 @@ def first_step_metrics(cfg) -> dict:
     return next(row for row in rows if row.get("step") == 1 and "policy/kl" in row)
 
 
-def test_without_native_bf16_the_run_says_so_and_trains_in_fp32(make_config, sft_start, monkeypatch, capsys):
+def test_without_native_bf16_the_run_says_so_and_trains_in_fp32(make_config, sft_start, monkeypatch, capsys, caplog):
     from conftest import rl_config
 
     from posttrain.algorithms.online import OnlineRLModule
@@ -63,14 +63,18 @@ def test_without_native_bf16_the_run_says_so_and_trains_in_fp32(make_config, sft
         return training_step(self, *args, **kwargs)
 
     monkeypatch.setattr(OnlineRLModule, "training_step", recording)
-    first_step_metrics(rl_config(make_config, sft_start, "algorithm=grpo", "trainer=cpu_bf16", "trainer.max_steps=1"))
+    with caplog.at_level("INFO", logger="posttrain"):
+        first_step_metrics(rl_config(make_config, sft_start, "algorithm=grpo", "trainer=cpu_bf16",
+                                     "trainer.max_steps=1"))
     assert "this CPU has no native bf16" in capsys.readouterr().out
+    run_line = next(line for line in caplog.text.splitlines() if "algorithm=grpo" in line)
+    assert "precision" not in run_line  # it trains in fp32, which goes unsaid
     assert seen == [("32-true", False)]
 
 
 @pytest.mark.parametrize("reference_in_fp32", [False, True])
 def test_under_bf16_mixed_the_reference_is_scored_in_the_policys_precision(make_config, sft_start, monkeypatch,
-                                                                          reference_in_fp32):
+                                                                          caplog, reference_in_fp32):
     """At the first step the policy is the reference: in one precision their log-probs are the
     same numbers and k3 is exactly 0. The control scores the reference outside the autocast
     (fp32 against the policy's bf16): a rounding gap, so the assertion can fail."""
@@ -89,7 +93,9 @@ def test_under_bf16_mixed_the_reference_is_scored_in_the_policys_precision(make_
         monkeypatch.setattr(OnlineRLModule, "annotate", in_fp32)
     cfg = rl_config(make_config, sft_start, "algorithm=grpo", "kl_estimator=k3", "trainer=cpu_bf16",
                     "trainer.max_steps=1")
-    kl = first_step_metrics(cfg)["policy/kl"]
+    with caplog.at_level("INFO", logger="posttrain"):
+        kl = first_step_metrics(cfg)["policy/kl"]
+    assert "trainer.precision=bf16-mixed" in caplog.text  # the run line says what trains
     if reference_in_fp32:
         assert kl > 1e-6
     else:
