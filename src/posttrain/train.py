@@ -118,7 +118,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     if ckpt_path is not None:
         check_checkpoint_shapes(ckpt_path, stored_shapes, module)
     record = RunRecord(cfg.algorithm.name)  # in every checkpoint: the algorithm, the start metrics
-    # bf16-mixed on a CPU without native bf16 would emulate it, slower than fp32: 32-true, said below
+    # bf16-mixed on a CPU without native bf16 would emulate it, for nothing: 32-true, said below
     cfg.trainer.precision, precision_change = cpu_precision(cfg.trainer.precision, cfg.trainer.accelerator)
     logger = build_logger(cfg, output_dir, run_name(choices, cfg))
     try:  # run() owns the logger: its run ends with the job, also when the job fails

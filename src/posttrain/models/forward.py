@@ -29,7 +29,7 @@ import torch
 
 from posttrain.core.logprobs import token_logprobs_and_entropy, token_logprobs_and_entropy_from_hidden
 from posttrain.models.functional import (
-    _is_sharded,
+    any_sharded,
     effective_weight,
     prompt_group_size,
     real_token_positions,
@@ -216,8 +216,7 @@ def _float_mask_dtype(model, device: torch.device) -> torch.dtype | None:
             return None
     elif getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return None
-    params = list(hf_model.parameters())
-    if not params or any(_is_sharded(p) for p in params):
+    if next(hf_model.parameters(), None) is None or any_sharded(hf_model):
         return None
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posttrain.errors import PosttrainError
 from posttrain.run.console import setup_console
+from posttrain.run.precision import FP32
 
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
                   "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -55,7 +56,7 @@ def pin_kernels(sft_cfg: DictConfig) -> None:
     """Set what the pinned run needs in the SFT config itself (part of its cache key): the CPU in
     fp32 (a bf16-mixed RL run, trainer=cpu_bf16, starts from the fp32 runs' start), one thread."""
     sft_cfg.trainer.accelerator = "cpu"
-    sft_cfg.trainer.precision = "32-true"
+    sft_cfg.trainer.precision = FP32
     sft_cfg.num_threads = 1
 
 

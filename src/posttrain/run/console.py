@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from posttrain.files import save_config_atomic
+from posttrain.run.precision import FP32
 
 # What the user must see goes through this logger: Hydra's logging config sends it to the
 # console and to the run's log file.
@@ -148,7 +149,7 @@ def announce_run(cfg: DictConfig, choices: dict[str, str], output_dir: Path, ckp
     beside it (and printed as a tree with print_config=true)."""
     save_config_atomic(cfg, output_dir / "config.yaml")
     picked = " ".join(f"{group}={choices[group]}" for group in ANNOUNCED_GROUPS if choices.get(group) not in (None, "None"))
-    if cfg.trainer.get("precision", "32-true") != "32-true":  # fp32 goes unsaid; any other is what trains
+    if cfg.trainer.get("precision", FP32) != FP32:  # fp32 goes unsaid; any other is what trains
         picked += f" trainer.precision={cfg.trainer.precision}"
     action = f"resuming from {ckpt_path}" if ckpt_path else f"training for {cfg.trainer.max_steps} steps"
     log.info(f"{picked} seed={cfg.seed}\n{action}; run dir {output_dir}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FALLBACK = "32-true"
+FP32 = "32-true"  # Lightning's name for fp32 training: the fallback, and what goes unsaid
 CPUINFO = Path("/proc/cpuinfo")  # ARM: the "bf16" feature flag (Neoverse V1/N2, Graviton 3 on)
 
 
@@ -46,6 +46,6 @@ def cpu_precision(precision: str, accelerator: str) -> tuple[str, str | None]:
         return precision, None
     if native_cpu_bf16() is not None:
         return precision, None
-    return FALLBACK, (f"trainer.precision=bf16-mixed: this CPU has no native bf16 (neither AVX512-BF16 nor AMX, "
+    return FP32, (f"trainer.precision=bf16-mixed: this CPU has no native bf16 (neither AVX512-BF16 nor AMX, "
                       f"nor ARM's BF16), where bf16 matmuls are emulated, with no speed to gain: training in "
-                      f"{FALLBACK} instead")
+                      f"{FP32} instead")
