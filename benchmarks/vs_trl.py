@@ -5,6 +5,7 @@
         [--out benchmarks/results/vs_trl] [--model <hf dir>] [--device cpu|cuda] [--rollout fast|vllm]
         [--task arithmetic|word_problems] [--prompts N] [--group-size G] [--max-new-tokens T] [--ignore-eos]
         [--gradient-checkpointing] [--micro-batch-size M] [--host-mmap-threshold-kib K]
+        [--precision fp32|bf16-mixed]
 
 TRL is a benchmark dependency only (`pip install -e '.[bench]'`: trl==1.16.0, matplotlib);
 posttrain never imports it.
@@ -88,9 +89,13 @@ What cannot be matched exactly (checked against TRL 1.16.0 / transformers 5.23):
   `experiment=grpo_tiny`'s). On-policy the ratio is exactly 1, so only the std epsilon and
   the k3 clamps (far from reached at beta 0.01) can differ. Warm-up: TRL's
   constant_with_warmup starts at lr 0 (step / 5), posttrain at lr / 5 ((step + 1) / 5).
+* `--precision bf16-mixed` (CPU): both frameworks keep fp32 weights and AdamW and run their
+  forwards under `torch.autocast("cpu", bfloat16)`: posttrain `trainer.precision=bf16-mixed`
+  (`trainer=cpu_bf16`: the policy, the reference and the sampler), TRL `bf16=True` (accelerate
+  wraps the model's forward in the same autocast, so HF `generate` runs under it too).
 * TRL's GRPOConfig defaults that would differ are set explicitly: bf16 (TRL's default on)
-  off, gradient checkpointing (TRL's default on) off unless `--gradient-checkpointing` turns
-  it on in both frameworks (posttrain's grouped forward then recomputes each layer's step).
+  off unless `--precision bf16-mixed`, gradient checkpointing (TRL's default on) off unless
+  `--gradient-checkpointing` turns it on in both frameworks (posttrain's grouped forward then recomputes each layer's step).
   Both step AdamW with torch's fused kernel (`optim="adamw_torch_fused"`, TRL's default
   here; posttrain's too).
 * Per-step bookkeeping: TRL gathers and stores a dozen metrics per step (reward std,
@@ -203,6 +208,8 @@ def posttrain_overrides(args, output_dir: str, max_steps: int) -> list[str]:
         overrides.append(f"algorithm.micro_batch_size={args.micro_batch_size}")
     if getattr(args, "host_mmap_threshold_kib", None) is not None:
         overrides.append(f"host_mmap_threshold_kib={args.host_mmap_threshold_kib}")
+    if getattr(args, "precision", "fp32") == "bf16-mixed" and args.device == "cpu":
+        overrides.append("trainer.precision=bf16-mixed")
     overrides += getattr(args, "posttrain_override", None) or []  # last: they win
     if args.device == "cuda":
         overrides += ["trainer=fsdp", "trainer.accelerator=gpu", "trainer.devices=1",
@@ -512,7 +519,8 @@ def trl_worker(args) -> dict:
     # one generation of the whole batch and one optimiser step over it; with --micro-batch-size,
     # TRL's way to the same: that many rows per forward and backward, accumulated
     config = GRPOConfig(
-        output_dir=output_dir, seed=args.seed, max_steps=max_steps, use_cpu=not on_gpu, bf16=on_gpu, fp16=False,
+        output_dir=output_dir, seed=args.seed, max_steps=max_steps, use_cpu=not on_gpu,
+        bf16=on_gpu or getattr(args, "precision", "fp32") == "bf16-mixed", fp16=False,
         per_device_train_batch_size=micro, num_generations=grpo.group_size,
         steps_per_generation=rows // micro, num_iterations=1, gradient_accumulation_steps=rows // micro,
         max_completion_length=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
@@ -715,7 +723,7 @@ def plot_accuracy(curves: dict[str, list[list[dict]]], summary: dict, path: Path
 # --- the parent --------------------------------------------------------------------------------
 WORKER_OPTIONS = ("model", "threads", "steps", "warmup", "seconds", "eval_every", "device", "rollout", "task",
                   "prompts", "group_size", "max_new_tokens", "ignore_eos", "gradient_checkpointing", "micro_batch_size",
-                  "host_mmap_threshold_kib", "posttrain_override")
+                  "host_mmap_threshold_kib", "posttrain_override", "precision")
 
 
 def run_worker(framework: str, kl: str, mode: str, seed: int, args, out: Path) -> dict:
@@ -847,6 +855,8 @@ def parse_args(argv=None):
                              "gradient_accumulation_steps and steps_per_generation = rows / this)")
     parser.add_argument("--host-mmap-threshold-kib", type=int, default=None,
                         help="posttrain only: its host_mmap_threshold_kib (freed host memory returned at once)")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed"),
+                        help="cpu: both frameworks' compute (fp32 weights and AdamW either way)")
     parser.add_argument("--combine", nargs="+", metavar="JSON",
                         help="accuracy mode: summarise and plot earlier runs instead of running workers (accuracy "
                              "workers' --json files, or accuracy.json files)")
