@@ -62,11 +62,20 @@ it is ~8% faster than repeating the kv heads); on CUDA the kv heads are repeated
 masked GQA makes CUDA's SDPA fall back to its math kernel, which materialises the scores.
 
 The response stream stays packed: the matmuls run only on the tokens whose output predicts a
-real token (a response's last token and its padding predict nothing), [N, H] rows;
-attention runs on the padded [B, T'] layout. With every response full (nothing to skip) the
-packing costs 0.3% of the step's CPU time (its index_copy / index_select and their backward,
-profiled at T = 256, benchmarks/memory_vs_length.py's setup); with uneven lengths it skips the
-padding's matmuls, so it stays.
+real token (a response's last token and its padding predict nothing), [N, H] rows. With every
+response full (nothing to skip) the packing costs 0.3% of the step's CPU time (its index_copy /
+index_select and their backward, profiled at T = 256, benchmarks/memory_vs_length.py's setup);
+with uneven lengths it skips the padding's matmuls, so it stays.
+
+Attention needs a rectangular layout, so the packed tokens are laid out again for it, in length
+buckets (`response_buckets`): the rows sorted by length and cut into runs, each run padded only
+to its own longest row, [b, heads, T_b, D] over [b, kv_heads, P + T_b, D] with its own mask. A
+bucket is one more SDPA call per layer, so rows are split only where the padded query-key pairs
+a split removes outweigh `BUCKET_COST_PAIRS` (the fixed cost of a call and its copies, in
+pairs): a batch of even lengths, or of short ones (the embedded task), stays one bucket of every
+row in its own order, the padded [B, T'] layout above. The log-probs and the gradients do not
+depend on the buckets (each query's keys and mask are the same; tested in fp32 against one
+bucket). The prompt block stays padded to the longest prompt: it runs once per group.
 
 `group_size=1` is the plain forward of every row (nothing is shared).
 """
@@ -74,6 +83,7 @@ padding's matmuls, so it stays.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -97,6 +107,9 @@ except ImportError:  # torch built without distributed
 
 # The CUDA memory-efficient kernel wants a mask whose rows start 16-aligned (else it pads a copy).
 MASK_ALIGNMENT = 16
+# What one more attention bucket costs (an SDPA call per layer, forward and backward, and its
+# layout copies), in padded query-key pairs: a split must remove more pairs than this.
+BUCKET_COST_PAIRS = 1 << 15
 
 
 def grouped_forward_unsupported_reason(model: nn.Module) -> Optional[str]:
@@ -234,24 +247,26 @@ def _trunk(w: DecoderWeights, prompt_ids, prompt_mask, response_ids, response_ma
     response_pos = response_pos.repeat_interleave(g, dim=0).reshape(-1)[rows]
     response_rot = rotation(w, response_pos, dtype)[:, None, :]  # [N, 1 (heads), D/2]
 
-    masks = _attention_masks(prompt_mask, g, span, _query_dtype(dtype, device))
+    query_dtype = _query_dtype(dtype, device)
+    prompt_attention = _additive(_prompt_allowed(prompt_mask)[:, None], query_dtype)
+    buckets = _buckets(response_mask, rows, prompt_mask, g, query_dtype)
     for block in w.blocks:
-        step = functools.partial(_decoder_layer, w, block, rows=rows, shape=(u, g, span),
-                                 rotations=(prompt_rot, response_rot), masks=masks)
+        step = functools.partial(_decoder_layer, w, block, rotations=(prompt_rot, response_rot),
+                                 prompt_attention=prompt_attention, buckets=buckets)
         if checkpointed:  # the backward keeps the step's inputs only, and runs it again
             step = functools.partial(checkpoint, step, use_reentrant=False)
         hp, hr = _as_forward_of(block, step, hp, hr)
     return _final_norm(w, hp[:, -1]), _final_norm(w, hr), rows
 
 
-def _decoder_layer(w: DecoderWeights, block: nn.Module, hp, hr, *, rows, shape, rotations, masks):
+def _decoder_layer(w: DecoderWeights, block: nn.Module, hp, hr, *, rotations, prompt_attention, buckets):
     """One decoder layer over the unique prompts hp [U, P, H] and the packed response tokens
     hr [N, H], with its fused weights, built here from ``block``'s parameters (whole in this
     call under FSDP2; built again in a checkpoint's recompute)."""
     layer = w.fuse(block)
-    hp, kp, vp = _prompt_block(w, layer, hp, rotations[0], masks[0])
-    if len(rows):
-        hr = _response_block(w, layer, hr, rows, shape, kp, vp, rotations[1], masks[1])
+    hp, kp, vp = _prompt_block(w, layer, hp, rotations[0], prompt_attention)
+    if buckets.layouts:
+        hr = _response_block(w, layer, hr, kp, vp, rotations[1], buckets)
     return hp, hr
 
 
@@ -270,19 +285,102 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill_(~allowed, float("-inf"))
 
 
-def _attention_masks(prompt_mask: torch.Tensor, group_size: int, span: int, dtype):
-    """The additive masks of the two blocks, built once per forward and read by every layer.
-    A prompt query sees the earlier real keys of its prompt, [U, 1, P, P] (a pad query, which
-    would see no key at all, sees itself). A response query sees its prompt's real keys and
-    its response up to itself: [B, 1, T-1, P + T-1]."""
-    u, plen = prompt_mask.shape
-    device = prompt_mask.device
-    allowed_p = torch.ones(plen, plen, dtype=torch.bool, device=device).tril() & prompt_mask[:, None, :]
-    allowed_p |= torch.eye(plen, dtype=torch.bool, device=device)
-    causal_r = torch.ones(span, span, dtype=torch.bool, device=device).tril()
-    allowed_r = torch.cat([prompt_mask[:, None, None, :].expand(u, group_size, span, plen),
-                           causal_r.expand(u, group_size, span, span)], dim=-1)
-    return _additive(allowed_p[:, None], dtype), _additive(allowed_r.view(u * group_size, 1, span, -1), dtype)
+def _prompt_allowed(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """[U, P, P]: a prompt query sees the earlier real keys of its prompt (a pad query, which
+    would see no key at all, sees itself)."""
+    plen = prompt_mask.shape[1]
+    causal = torch.ones(plen, plen, dtype=torch.bool, device=prompt_mask.device).tril()
+    return (causal & prompt_mask[:, None, :]) | torch.eye(plen, dtype=torch.bool, device=prompt_mask.device)
+
+
+def response_buckets(lengths: list[int], prompt_length: int, cost_pairs: int | None = None) -> list[list[int]]:
+    """The rows of each attention bucket, given each row's number of response queries
+    ``lengths``: rows sorted by length (longest first) and cut where the cut saves more padded
+    query-key pairs than ``cost_pairs`` (default `BUCKET_COST_PAIRS`) per extra bucket. A bucket of rows whose longest has L
+    queries costs rows x L x (P + L) pairs; the cuts are the cheapest (dynamic programme over the
+    distinct lengths). One bucket is ``[list(range(B))]``, the rows in their own order; rows
+    without a query go in no bucket when there are several."""
+    cost_pairs = BUCKET_COST_PAIRS if cost_pairs is None else cost_pairs
+    total = len(lengths)
+    longest = max(lengths, default=0)
+    needed = sum(n * (prompt_length + n) for n in lengths)  # no bucketing can go below this
+    if total * longest * (prompt_length + longest) - needed <= cost_pairs:
+        return [list(range(total))]
+    distinct = sorted({n for n in lengths if n > 0}, reverse=True)
+    count = {n: 0 for n in distinct}
+    for n in lengths:
+        if n > 0:
+            count[n] += 1
+    rows_up_to = [0]  # rows_up_to[j]: rows of the j longest distinct lengths
+    for n in distinct:
+        rows_up_to.append(rows_up_to[-1] + count[n])
+    best, cut = [0] + [None] * len(distinct), [0] * (len(distinct) + 1)
+    for j in range(1, len(distinct) + 1):  # best[j]: the cheapest cover of the j longest lengths
+        for i in range(j):  # one bucket holds distinct[i:j]; its longest is distinct[i]
+            n = distinct[i]
+            cost = best[i] + (rows_up_to[j] - rows_up_to[i]) * n * (prompt_length + n) + cost_pairs
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    bounds, j = [], len(distinct)
+    while j > 0:
+        bounds.append((distinct[cut[j]], distinct[j - 1]))
+        j = cut[j]
+    if len(bounds) == 1:  # rows without a query are not worth a layout of their own
+        return [list(range(total))]
+    order = sorted((r for r in range(total) if lengths[r] > 0), key=lambda r: -lengths[r])
+    return [[r for r in order if low <= lengths[r] <= high] for high, low in reversed(bounds)]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One attention bucket: its rows, their prompts, and where its packed tokens go."""
+    rows: int             # b
+    span: int             # T_b: queries of its longest row
+    groups: torch.Tensor  # [b]: each row's prompt (an index into the prompt block's keys)
+    tokens: Optional[torch.Tensor]  # [n_b]: its tokens' indices in the packed stream (None: all, in order)
+    slots: torch.Tensor   # [n_b]: their places in the [b * T_b] layout
+    mask: torch.Tensor    # [b, 1, T_b, P + T_b], additive
+
+
+@dataclass(frozen=True)
+class _Buckets:
+    layouts: list
+    unsorted: Optional[torch.Tensor]  # the packed order of the buckets' concatenated outputs (None: in order)
+
+
+def _buckets(response_mask: torch.Tensor, rows: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+             dtype: torch.dtype) -> _Buckets:
+    """The attention layouts of the packed response tokens (at ``rows`` of [B * (T - 1)]), built
+    once per forward and read by every layer. A response query sees its prompt's real keys and
+    its response up to itself."""
+    batch, span = response_mask.shape[0], response_mask.shape[1] - 1
+    device = rows.device
+    if len(rows) == 0:
+        return _Buckets([], None)
+    lengths = response_mask[:, 1:].sum(dim=1).long()
+    plan = response_buckets(lengths.tolist(), prompt_mask.shape[1])
+    row_of, position = rows // span, rows % span
+    layouts, tokens_in_order = [], []
+    for members in plan:
+        whole = len(plan) == 1
+        members = torch.tensor(members, device=device)
+        width = span if whole else int(lengths[members].max())
+        if whole:
+            tokens, place = None, row_of
+        else:
+            slot_of_row = torch.full((batch,), -1, dtype=torch.long, device=device)
+            slot_of_row[members] = torch.arange(len(members), device=device)
+            tokens = (slot_of_row[row_of] >= 0).nonzero().squeeze(1)
+            place = slot_of_row[row_of[tokens]]
+            tokens_in_order.append(tokens)
+        groups = members // group_size
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        allowed = torch.cat([prompt_mask[groups][:, None, :].expand(-1, width, -1),
+                             causal.expand(len(members), width, width)], dim=-1)
+        slots = place * width + (position if tokens is None else position[tokens])
+        layouts.append(_Layout(len(members), width, groups, tokens, slots, _additive(allowed[:, None], dtype)))
+    unsorted = None if len(plan) == 1 else torch.cat(tokens_in_order).argsort()
+    return _Buckets(layouts, unsorted)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -317,27 +415,27 @@ def _prompt_block(w: DecoderWeights, layer, hp, rotation, mask):
     return _mlp(layer, hp + F.linear(a, layer.w_o_t.t(), layer.b_o)), k, v
 
 
-def _response_block(w: DecoderWeights, layer, hr, rows, shape, kp, vp, rotation, mask):
-    """One decoder layer over the packed response tokens hr [N, H] (`rows` of the [B * (T-1)]
-    layout, `rotation` [N, 1, D/2] their RoPE). Attention runs on that padded layout: each
-    row's queries over its group's prompt keys followed by its own response's keys, with the
-    shared mask."""
-    u, g, span = shape
+def _response_block(w: DecoderWeights, layer, hr, kp, vp, rotation, buckets: _Buckets):
+    """One decoder layer over the packed response tokens hr [N, H] (`rotation` [N, 1, D/2] their
+    RoPE). Attention runs bucket by bucket: each row's queries over its prompt's keys followed
+    by its own response's keys, on the bucket's padded layout, with the bucket's mask."""
     hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
-    plen = kp.shape[2]
     q, k, v = _split_qkv(w, F.linear(_unit_rms(hr, layer.floor1), layer.w_qkv, layer.b_qkv))
-    q = _padded(_rotate(q.unflatten(-1, (hq, d)), rotation), rows, u * g * span)
-    k = _padded(_rotate(k.unflatten(-1, (hkv, d)), rotation), rows, u * g * span)
-    v = _padded(v, rows, u * g * span)
-    q = q.view(u * g, span, hq, d).transpose(1, 2)  # [B, heads, T-1, D]
+    q = _rotate(q.unflatten(-1, (hq, d)), rotation).flatten(1)
+    k = _rotate(k.unflatten(-1, (hkv, d)), rotation).flatten(1)
+    v = v.flatten(1)
 
-    def with_prompt(prompt, own):
-        # [U, kv, P, D] ++ [B, kv, T-1, D] -> [B, kv, P + T-1, D], the prompt's copied into its group's rows
-        own = own.view(u, g, span, hkv, d).permute(0, 1, 3, 2, 4)
-        return torch.cat([prompt[:, None].expand(u, g, hkv, plen, d), own], dim=3).view(u * g, hkv, plen + span, d)
+    def laid_out(x, heads, layout):  # packed [N, heads * D] -> [b, heads, T_b, D], zeros at the padding
+        x = x if layout.tokens is None else x.index_select(0, layout.tokens)
+        return _padded(x, layout.slots, layout.rows * layout.span).view(layout.rows, layout.span, heads, d).transpose(1, 2)
 
-    a = _attention(q, with_prompt(kp, k), with_prompt(vp, v), mask)
-    a = a.transpose(1, 2).reshape(u * g * span, hq * d).index_select(0, rows)
+    outputs = []
+    for layout in buckets.layouts:
+        keys = torch.cat([kp.index_select(0, layout.groups), laid_out(k, hkv, layout)], dim=2)  # [b, kv, P + T_b, D]
+        values = torch.cat([vp.index_select(0, layout.groups), laid_out(v, hkv, layout)], dim=2)
+        a = _attention(laid_out(q, hq, layout), keys, values, layout.mask)  # [b, heads, T_b, D]
+        outputs.append(a.transpose(1, 2).reshape(layout.rows * layout.span, hq * d).index_select(0, layout.slots))
+    a = outputs[0] if buckets.unsorted is None else torch.cat(outputs).index_select(0, buckets.unsorted)
     return _mlp(layer, hr + F.linear(a, layer.w_o_t.t(), layer.b_o))
 
 
