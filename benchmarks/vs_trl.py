@@ -129,6 +129,8 @@ import time
 import warnings
 from pathlib import Path
 
+import posttrain  # noqa: F401  (before torch loads, in both workers: it asks torch's allocator for huge pages)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ("posttrain", "trl")
 # The timed parts of a step; "overhead" is the step less their sum.

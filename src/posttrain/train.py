@@ -51,7 +51,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
         resolve_ckpt_path,
     )
     from posttrain.run.console import announce_run, print_before_after
-    from posttrain.run.host_memory import return_freed_memory
+    from posttrain.run.host_memory import return_freed_memory, threshold_kib
     from posttrain.run.precision import cpu_precision
     from posttrain.run.preemption import Preemption, cluster_plugins
     from posttrain.run.tracking import build_logger, finish_logger, run_name, wandb_mode
@@ -71,7 +71,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if cfg.trainer.accelerator == "cpu":  # host memory is the training memory only on CPU
-        return_freed_memory(cfg.host_mmap_threshold_kib)
+        return_freed_memory(threshold_kib(cfg.host_mmap_threshold_kib))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # --- prepare: what is made once before training and cached ---------------------------------

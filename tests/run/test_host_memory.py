@@ -57,3 +57,42 @@ def test_a_cpu_run_sets_the_threshold_it_is_given_before_anything_loads(make_con
         with pytest.raises(RuntimeError, match="stopped after the set-up"):
             run(make_config(f"host_mmap_threshold_kib={threshold}"))
     assert given == [256, None]
+
+
+def test_auto_returns_freed_memory_only_where_torch_has_huge_pages(monkeypatch):
+    import posttrain
+    from posttrain.run.host_memory import AUTO_THRESHOLD_KIB, threshold_kib
+
+    monkeypatch.setattr(posttrain, "TORCH_HUGE_PAGES", True)
+    assert threshold_kib("auto") == AUTO_THRESHOLD_KIB == 128
+    monkeypatch.setattr(posttrain, "TORCH_HUGE_PAGES", False)  # the page faults would cost ~12% of the time
+    assert threshold_kib("auto") is None
+    assert threshold_kib(256) == 256 and threshold_kib(None) is None  # explicit settings are kept
+
+
+HUGE_PAGES = """
+import os, sys
+if sys.argv[1] == "torch first":
+    import torch
+import posttrain
+print(posttrain.TORCH_HUGE_PAGES, os.environ.get("THP_MEM_ALLOC_ENABLE"))
+"""
+
+
+def _huge_pages(order: str, **env) -> list[str]:
+    import os
+
+    finished = run_command([sys.executable, "-c", HUGE_PAGES, order], timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | env)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    return finished.stdout.split()[-2:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's transparent huge pages")
+def test_posttrain_asks_torch_for_huge_pages_before_torch_loads_and_a_users_choice_wins():
+    from posttrain import _kernel_offers_huge_pages
+
+    offered = _kernel_offers_huge_pages()
+    assert _huge_pages("posttrain first") == ([str(offered), "1"] if offered else ["False", "None"])
+    assert _huge_pages("torch first") == ["False", "None"]  # too late for torch's allocator: not claimed
+    assert _huge_pages("posttrain first", THP_MEM_ALLOC_ENABLE="0") == ["False", "0"]

@@ -9,8 +9,16 @@ tokens, benchmarks/memory_vs_length.py --one new+ckpt 512 --layers 30): 1743 MB 
 by default, 1213 MB with a fixed 128 KiB threshold. A fixed threshold serves every allocation of
 at least that size by mmap, returned by munmap when freed; the price is a page fault per page on
 each such allocation: 4 layers at 256 tokens, one thread, three A/B pairs took 46.5-50.1 s by
-default and 53.1-56.2 s with it (+12%), for 540 MB against 754-868 MB. Hence off by default
-(`host_mmap_threshold_kib: null`); a run short of host memory sets 128."""
+default and 53.1-56.2 s with it (+12%), for 540 MB against 754-868 MB.
+
+That price is the page faults, one per 4 KiB page, and transparent huge pages remove it: with
+PyTorch's allocator asking for them (``THP_MEM_ALLOC_ENABLE=1``, which `posttrain/__init__.py`
+sets before torch loads where the kernel offers them), a buffer of 2 MiB or more faults in 2 MiB
+at a time. 8 of SmolLM2's layers, 16 rows x 512 tokens, checkpointed, one thread, two alternated
+rounds of fresh processes (3 steps each): glibc's default 1584 MB above the start, 49-56 s a step;
+threshold 128 with huge pages 819 MB, 49-50 s (threshold 128 alone 819 MB, 66-93 s with another
+job beside it; huge pages alone 1389 MB). Hence the default, ``auto``: 128 where PyTorch's
+allocator has huge pages, glibc's default where it has not (the time cost would be back)."""
 
 from __future__ import annotations
 
@@ -20,6 +28,19 @@ import logging
 
 log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+AUTO_THRESHOLD_KIB = 128
+
+
+def threshold_kib(setting: int | str | None) -> int | None:
+    """The threshold ``host_mmap_threshold_kib`` asks for: ``auto`` is `AUTO_THRESHOLD_KIB` where
+    PyTorch's allocator has huge pages (`posttrain.TORCH_HUGE_PAGES`), else None."""
+    if setting != "auto":
+        return setting
+    import posttrain
+
+    return AUTO_THRESHOLD_KIB if posttrain.TORCH_HUGE_PAGES else None
 
 
 def return_freed_memory(threshold_kib: int | None) -> bool:
