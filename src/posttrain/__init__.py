@@ -4,16 +4,14 @@ import os
 import sys
 
 
-def _ask_torch_for_huge_pages() -> bool:
+def _ask_torch_for_huge_pages() -> None:
     """PyTorch's CPU allocator asks the kernel for transparent huge pages (madvise) on buffers of
     2 MiB and more when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, i.e. before
     ``import torch``. posttrain sets it (a user's own value wins) where the kernel offers huge
-    pages: it is what makes returning freed host memory at once free of cost
-    (run/host_memory.py). Returns whether the allocator has it: False when torch was imported
-    before posttrain without it."""
+    pages and torch has not loaded yet: it is what makes returning freed host memory at once free
+    of cost (run/host_memory.py reads the variable: set means the allocator has them)."""
     if "torch" not in sys.modules and _kernel_offers_huge_pages():
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    return os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
 
 
 def _kernel_offers_huge_pages() -> bool:
@@ -24,4 +22,4 @@ def _kernel_offers_huge_pages() -> bool:
         return False
 
 
-TORCH_HUGE_PAGES = _ask_torch_for_huge_pages()
+_ask_torch_for_huge_pages()

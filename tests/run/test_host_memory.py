@@ -60,12 +60,11 @@ def test_a_cpu_run_sets_the_threshold_it_is_given_before_anything_loads(make_con
 
 
 def test_auto_returns_freed_memory_only_where_torch_has_huge_pages(monkeypatch):
-    import posttrain
     from posttrain.run.host_memory import AUTO_THRESHOLD_KIB, threshold_kib
 
-    monkeypatch.setattr(posttrain, "TORCH_HUGE_PAGES", True)
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
     assert threshold_kib("auto") == AUTO_THRESHOLD_KIB == 128
-    monkeypatch.setattr(posttrain, "TORCH_HUGE_PAGES", False)  # the page faults would cost ~12% of the time
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")  # the page faults would cost ~12% of the time
     assert threshold_kib("auto") is None
     assert threshold_kib(256) == 256 and threshold_kib(None) is None  # explicit settings are kept
 
@@ -75,7 +74,8 @@ import os, sys
 if sys.argv[1] == "torch first":
     import torch
 import posttrain
-print(posttrain.TORCH_HUGE_PAGES, os.environ.get("THP_MEM_ALLOC_ENABLE"))
+from posttrain.run.host_memory import threshold_kib
+print(threshold_kib("auto"), os.environ.get("THP_MEM_ALLOC_ENABLE"))
 """
 
 
@@ -93,6 +93,6 @@ def test_posttrain_asks_torch_for_huge_pages_before_torch_loads_and_a_users_choi
     from posttrain import _kernel_offers_huge_pages
 
     offered = _kernel_offers_huge_pages()
-    assert _huge_pages("posttrain first") == ([str(offered), "1"] if offered else ["False", "None"])
-    assert _huge_pages("torch first") == ["False", "None"]  # too late for torch's allocator: not claimed
-    assert _huge_pages("posttrain first", THP_MEM_ALLOC_ENABLE="0") == ["False", "0"]
+    assert _huge_pages("posttrain first") == (["128", "1"] if offered else ["None", "None"])
+    assert _huge_pages("torch first") == ["None", "None"]  # too late for torch's allocator: not claimed
+    assert _huge_pages("posttrain first", THP_MEM_ALLOC_ENABLE="0") == ["None", "0"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
@@ -35,12 +36,11 @@ AUTO_THRESHOLD_KIB = 128
 
 def threshold_kib(setting: int | str | None) -> int | None:
     """The threshold ``host_mmap_threshold_kib`` asks for: ``auto`` is `AUTO_THRESHOLD_KIB` where
-    PyTorch's allocator has huge pages (`posttrain.TORCH_HUGE_PAGES`), else None."""
+    PyTorch's allocator has huge pages (``THP_MEM_ALLOC_ENABLE=1``, set by `posttrain/__init__.py`
+    before torch loaded, or by the user), else None."""
     if setting != "auto":
         return setting
-    import posttrain
-
-    return AUTO_THRESHOLD_KIB if posttrain.TORCH_HUGE_PAGES else None
+    return AUTO_THRESHOLD_KIB if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else None
 
 
 def return_freed_memory(threshold_kib: int | None) -> bool:
