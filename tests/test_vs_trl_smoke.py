@@ -164,3 +164,17 @@ def test_combine_reads_worker_files_and_earlier_summaries(vs_trl, tmp_path):
     assert vs_trl.summarise_accuracy(curves)["trl"]["final_accuracy"] == pytest.approx(0.4)
     with pytest.raises(SystemExit, match="no curve of trl"):
         vs_trl.combined_curves([str(workers[0])])
+
+
+def test_bf16_mixed_is_asked_of_posttrain_only_with_the_option_on_the_cpu(vs_trl):
+    import argparse
+
+    def overrides(precision: str, device: str = "cpu") -> list[str]:
+        args = argparse.Namespace(mode="step", kl="k3", device=device, model="m", threads=1, seed=0,
+                                  precision=precision, rollout="fast")
+        return vs_trl.posttrain_overrides(args, "out", 3)
+
+    assert "trainer.precision=bf16-mixed" in overrides("bf16-mixed")
+    assert not any(o.startswith("trainer.precision") for o in overrides("fp32"))
+    # the scale path has its own precision (FSDP2's bf16 gathers); the CPU option does not add to it
+    assert not any(o.startswith("trainer.precision") for o in overrides("bf16-mixed", device="cuda"))
