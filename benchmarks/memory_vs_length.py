@@ -86,6 +86,7 @@ def load_old_grouped_forward(rev: str = "HEAD"):
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("old_grouped_forward", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
