@@ -63,7 +63,7 @@ def test_auto_returns_freed_memory_only_where_torch_has_huge_pages(monkeypatch):
     from posttrain.run.host_memory import AUTO_THRESHOLD_KIB, threshold_kib
 
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
-    assert threshold_kib("auto") == AUTO_THRESHOLD_KIB == 128
+    assert threshold_kib("auto") == AUTO_THRESHOLD_KIB == 2048  # where PyTorch's huge pages start
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")  # the page faults would cost ~12% of the time
     assert threshold_kib("auto") is None
     assert threshold_kib(256) == 256 and threshold_kib(None) is None  # explicit settings are kept
@@ -93,6 +93,6 @@ def test_posttrain_asks_torch_for_huge_pages_before_torch_loads_and_a_users_choi
     from posttrain import _kernel_offers_huge_pages
 
     offered = _kernel_offers_huge_pages()
-    assert _huge_pages("posttrain first") == (["128", "1"] if offered else ["None", "None"])
+    assert _huge_pages("posttrain first") == (["2048", "1"] if offered else ["None", "None"])
     assert _huge_pages("torch first") == ["None", "None"]  # too late for torch's allocator: not claimed
     assert _huge_pages("posttrain first", THP_MEM_ALLOC_ENABLE="0") == ["None", "0"]

@@ -14,11 +14,14 @@ default and 53.1-56.2 s with it (+12%), for 540 MB against 754-868 MB.
 That price is the page faults, one per 4 KiB page, and transparent huge pages remove it: with
 PyTorch's allocator asking for them (``THP_MEM_ALLOC_ENABLE=1``, which `posttrain/__init__.py`
 sets before torch loads where the kernel offers them), a buffer of 2 MiB or more faults in 2 MiB
-at a time. 8 of SmolLM2's layers, 16 rows x 512 tokens, checkpointed, one thread, two alternated
-rounds of fresh processes (3 steps each): glibc's default 1584 MB above the start, 49-56 s a step;
-threshold 128 with huge pages 819 MB, 49-50 s (threshold 128 alone 819 MB, 66-93 s with another
-job beside it; huge pages alone 1389 MB). Hence the default, ``auto``: 128 where PyTorch's
-allocator has huge pages, glibc's default where it has not (the time cost would be back)."""
+at a time. Smaller buffers still fault page by page, so the automatic threshold is 2 MiB, where
+the huge pages start: on the embedded task's GRPO step (activations of a few hundred KiB) a 128
+KiB threshold costs 35-50% of the time (115-127 ms against 85 ms by default), 2048 KiB nothing
+(81 ms). 8 of SmolLM2's layers, 16 rows x 512 tokens, checkpointed, one thread, fresh processes:
+huge pages alone 1389-1508 MB above the start at 48-51 s a step; with the threshold at 2048 KiB
+836 MB at 51-53 s; at 128 KiB 819 MB (glibc's default without huge pages: 1584 MB). Hence the
+default, ``auto``: 2048 where PyTorch's allocator has huge pages, glibc's default where it has
+not (the time cost would be back)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
 
-AUTO_THRESHOLD_KIB = 128
+AUTO_THRESHOLD_KIB = 2048  # PyTorch asks for huge pages from 2 MiB (c10 alloc_cpu)
 
 
 def threshold_kib(setting: int | str | None) -> int | None:
