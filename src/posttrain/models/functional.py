@@ -299,6 +299,17 @@ class FusedWeights(DecoderWeights):
         if dtype is not None and dtype != self.embed.dtype:
             self.cast_to(dtype)
 
+    def cast_matmul_weights(self, dtype: torch.dtype) -> None:
+        """The matmuls' weights (q/k/v, o, gate/up, down, the LM head) in ``dtype``, the rest as
+        it is: what autocast would cast them to at every call, cast once. Under autocast the
+        decoder computes exactly what it did with the float32 weights (autocast leaves a weight
+        already in its dtype alone), without re-casting the model at every decode step."""
+        self.lm_head = self.lm_head.to(dtype)  # a tied head becomes a copy: the embedding stays
+        for layer in self.layers:
+            layer.w_qkv, layer.w_gate_up = layer.w_qkv.to(dtype), layer.w_gate_up.to(dtype)
+            layer.w_o_t = layer.w_o_t.t().to(dtype).t()  # kept transposed views, as addmm reads them
+            layer.w_down_t = layer.w_down_t.t().to(dtype).t()
+
     def cast_to(self, dtype: torch.dtype) -> None:
         """Every weight in ``dtype`` (the norms' floors stay float32 scalars); a tied LM head
         stays one tensor with the embedding."""
@@ -393,14 +404,22 @@ class FunctionalDecoder:
         self.w = weights if weights is not None else FusedWeights(model, dtype)
         self.dtype = self.w.embed.dtype
         self.device = self.w.embed.device
+        # under autocast (trainer.precision=bf16-mixed samples inside it) the projections run in
+        # its dtype: the weights are cast to it once here, not by autocast at every step (about
+        # half of a bf16 decode step on SmolLM2), and the keys and values come out in it, so the
+        # cache and the masks hold that dtype too (else each step would cast the cache read so far)
+        autocast = torch.is_autocast_enabled(self.device.type)
+        self.cache_dtype = torch.get_autocast_dtype(self.device.type) if autocast else self.dtype
+        if autocast and weights is None and self.cache_dtype != self.dtype:
+            self.w.cast_matmul_weights(self.cache_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = self.w.num_heads, self.w.num_kv_heads, self.w.head_dim
         self.n_rep = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         cache_shape = (len(self.w.layers), batch_size, self.num_kv_heads, max_len, self.head_dim)
         # empty, not zeros: a column is always written (prefill: all P, pads included;
         # decode: before it is read), so garbage is never seen
-        self.k_cache = torch.empty(cache_shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.empty(cache_shape, dtype=self.dtype, device=self.device)
+        self.k_cache = torch.empty(cache_shape, dtype=self.cache_dtype, device=self.device)
+        self.v_cache = torch.empty(cache_shape, dtype=self.cache_dtype, device=self.device)
         self.k_layers = list(self.k_cache.unbind(0))  # per-layer views, indexed once
         self.v_layers = list(self.v_cache.unbind(0))
         self.batch_size = batch_size
@@ -476,7 +495,7 @@ class FunctionalDecoder:
         # of the decode attention's baddbmm (generated columns are always visible)
         key_ok = torch.ones(batch, self.max_len, dtype=torch.bool, device=self.device)
         key_ok[:, :plen] = prompt_mask.bool()
-        self.decode_mask = additive_mask(key_ok, self.dtype).repeat_interleave(hkv, dim=0)[:, None, :].contiguous()
+        self.decode_mask = additive_mask(key_ok, self.cache_dtype).repeat_interleave(hkv, dim=0)[:, None, :].contiguous()
 
         return to_batch(self._logits(h if all_logits else h[:, -1]))
 

@@ -1,0 +1,48 @@
+"""The fused sampler under autocast (trainer.precision=bf16-mixed samples inside it) casts the
+matmuls' weights once, not at every decode step, and computes exactly what it did before."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from posttrain.models.functional import FunctionalDecoder, FusedWeights
+
+
+def _llama():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                                      attention_bias=True)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _decoded(decoder, ids, mask, steps=8):
+    logits = [decoder.prefill(ids, mask)]
+    for _ in range(steps):
+        logits.append(decoder.step(logits[-1].argmax(-1)))
+    return torch.stack(logits)
+
+
+def test_under_autocast_the_weights_and_cache_are_in_its_dtype_and_the_logits_unchanged():
+    model = _llama()
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(1)).repeat_interleave(2, 0)
+    mask = torch.ones_like(ids)
+    mask[2:, :2] = 0  # left padding on the second prompt
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cast_once = FunctionalDecoder(model, 4, 20)
+        # handed float32 weights, the decoder leaves them as they are: autocast casts them per call
+        per_call = FunctionalDecoder(model, 4, 20, weights=FusedWeights(model))
+        got, expected = _decoded(cast_once, ids, mask), _decoded(per_call, ids, mask)
+    assert cast_once.w.layers[0].w_qkv.dtype == torch.bfloat16 and cast_once.w.lm_head.dtype == torch.bfloat16
+    assert per_call.w.layers[0].w_qkv.dtype == torch.float32
+    assert cast_once.w.embed.dtype == torch.float32  # the embedding (and the tied head's source) stays
+    assert cast_once.k_cache.dtype == cast_once.decode_mask.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+
+
+def test_without_autocast_nothing_is_cast():
+    model = _llama()
+    decoder = FunctionalDecoder(model, 2, 10)
+    assert decoder.w.layers[0].w_qkv.dtype == decoder.k_cache.dtype == torch.float32
+    assert decoder.w.lm_head is decoder.w.embed  # still tied: one tensor
