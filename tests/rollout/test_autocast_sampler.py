@@ -46,3 +46,23 @@ def test_without_autocast_nothing_is_cast():
     decoder = FunctionalDecoder(model, 2, 10)
     assert decoder.w.layers[0].w_qkv.dtype == decoder.k_cache.dtype == torch.float32
     assert decoder.w.lm_head is decoder.w.embed  # still tied: one tensor
+
+
+def test_a_kept_decoder_is_reused_under_autocast_with_its_weights_cast_alike():
+    """The fixed-shape decoder kept between calls (rollout.cuda_graphs) reloads the model's weights
+    at every call: under autocast they are cast as at its construction, so it is reused, not
+    rebuilt (on CUDA a rebuild would capture its graphs again)."""
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.fast import FastSampler
+
+    model = _llama()
+    ids = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    params = SamplingParams(max_new_tokens=5, greedy=True)
+    sampler = FastSampler(cuda_graphs=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = sampler.generate(model, ids, mask, params, 999, 0)
+        kept = sampler._decoders.kept[-1]
+        second = sampler.generate(model, ids, mask, params, 999, 0)
+    assert sampler._decoders.kept == [kept] and kept.w.layers[0].w_qkv.dtype == torch.bfloat16
+    assert torch.equal(first.response_ids, second.response_ids) and torch.equal(first.logprobs, second.logprobs)

@@ -306,9 +306,7 @@ class FusedWeights(DecoderWeights):
         already in its dtype alone), without re-casting the model at every decode step."""
         self.lm_head = self.lm_head.to(dtype)  # a tied head becomes a copy: the embedding stays
         for layer in self.layers:
-            layer.w_qkv, layer.w_gate_up = layer.w_qkv.to(dtype), layer.w_gate_up.to(dtype)
-            layer.w_o_t = layer.w_o_t.t().to(dtype).t()  # kept transposed views, as addmm reads them
-            layer.w_down_t = layer.w_down_t.t().to(dtype).t()
+            _cast_layer_matmuls(layer, dtype)
 
     def cast_to(self, dtype: torch.dtype) -> None:
         """Every weight in ``dtype`` (the norms' floors stay float32 scalars); a tied LM head
@@ -321,11 +319,17 @@ class FusedWeights(DecoderWeights):
         self.lm_head = self.embed if tied else cast(self.lm_head)
         self.lm_head_bias, self.final_gain = cast(self.lm_head_bias), cast(self.final_gain)
         for layer in self.layers:
-            for name in ("w_qkv", "b_qkv", "b_o", "w_gate_up", "b_gate_up", "b_down"):
+            _cast_layer_matmuls(layer, dtype)
+            for name in ("b_qkv", "b_o", "b_gate_up", "b_down"):
                 setattr(layer, name, cast(getattr(layer, name)))
-            # the transposed views become contiguous copies of the transposes: addmm reads them as before
-            layer.w_o_t = cast(layer.w_o_t.t()).t()
-            layer.w_down_t = cast(layer.w_down_t.t()).t()
+
+
+def _cast_layer_matmuls(layer: _Layer, dtype: torch.dtype) -> None:
+    """A fused layer's matmul weights in ``dtype``. The transposed views (o, down) become the
+    transposes of contiguous copies: addmm reads them as before."""
+    layer.w_qkv, layer.w_gate_up = layer.w_qkv.to(dtype), layer.w_gate_up.to(dtype)
+    layer.w_o_t = layer.w_o_t.t().to(dtype).t()
+    layer.w_down_t = layer.w_down_t.t().to(dtype).t()
 
 
 def prompt_group_size(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
@@ -410,8 +414,11 @@ class FunctionalDecoder:
         # cache and the masks hold that dtype too (else each step would cast the cache read so far)
         autocast = torch.is_autocast_enabled(self.device.type)
         self.cache_dtype = torch.get_autocast_dtype(self.device.type) if autocast else self.dtype
-        if autocast and weights is None and self.cache_dtype != self.dtype:
-            self.w.cast_matmul_weights(self.cache_dtype)
+        # the dtype the matmuls' weights were cast to here (None: as given); weights loaded later
+        # into this decoder are cast the same way
+        self.matmul_dtype = self.cache_dtype if autocast and weights is None and self.cache_dtype != self.dtype else None
+        if self.matmul_dtype is not None:
+            self.w.cast_matmul_weights(self.matmul_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = self.w.num_heads, self.w.num_kv_heads, self.w.head_dim
         self.n_rep = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5

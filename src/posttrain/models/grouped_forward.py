@@ -228,8 +228,8 @@ def _trunk(w: DecoderWeights, prompt_ids, prompt_mask, response_ids, response_ma
     responses' first tokens), final-normed hidden states of the packed response tokens [N, H],
     their `rows` in the [B * (T - 1)] layout)."""
     pad = w.embed_padding_idx  # its row gets no gradient, as in nn.Embedding
-    batch, width = response_ids.shape
-    g, u = group_size, batch // group_size
+    width = response_ids.shape[1]
+    g = group_size
     prompt_ids, prompt_mask = prompt_ids[::g], prompt_mask[::g].bool()  # [U, P]
     dtype, device = w.embed.dtype, w.embed.device
 
@@ -357,30 +357,29 @@ def _buckets(response_mask: torch.Tensor, rows: torch.Tensor, prompt_mask: torch
     device = rows.device
     if len(rows) == 0:
         return _Buckets([], None)
-    lengths = response_mask[:, 1:].sum(dim=1).long()
-    plan = response_buckets(lengths.tolist(), prompt_mask.shape[1])
-    row_of, position = rows // span, rows % span
-    layouts, tokens_in_order = [], []
-    for members in plan:
-        whole = len(plan) == 1
-        members = torch.tensor(members, device=device)
-        width = span if whole else int(lengths[members].max())
-        if whole:
-            tokens, place = None, row_of
-        else:
-            slot_of_row = torch.full((batch,), -1, dtype=torch.long, device=device)
-            slot_of_row[members] = torch.arange(len(members), device=device)
-            tokens = (slot_of_row[row_of] >= 0).nonzero().squeeze(1)
-            place = slot_of_row[row_of[tokens]]
-            tokens_in_order.append(tokens)
+
+    def layout(members: torch.Tensor, width: int, tokens, slots) -> _Layout:
         groups = members // group_size
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         allowed = torch.cat([prompt_mask[groups][:, None, :].expand(-1, width, -1),
                              causal.expand(len(members), width, width)], dim=-1)
-        slots = place * width + (position if tokens is None else position[tokens])
-        layouts.append(_Layout(len(members), width, groups, tokens, slots, _additive(allowed[:, None], dtype)))
-    unsorted = None if len(plan) == 1 else torch.cat(tokens_in_order).argsort()
-    return _Buckets(layouts, unsorted)
+        return _Layout(len(members), width, groups, tokens, slots, _additive(allowed[:, None], dtype))
+
+    lengths = response_mask[:, 1:].sum(dim=1).long()
+    plan = response_buckets(lengths.tolist(), prompt_mask.shape[1])
+    if len(plan) == 1:  # every row in its own order: the padded [B, T - 1] layout, where the tokens sit at `rows`
+        return _Buckets([layout(torch.arange(batch, device=device), span, None, rows)], None)
+    row_of, position = rows // span, rows % span
+    layouts, tokens_in_order = [], []
+    for members in plan:
+        members = torch.tensor(members, device=device)
+        width = int(lengths[members].max())
+        slot_of_row = torch.full((batch,), -1, dtype=torch.long, device=device)
+        slot_of_row[members] = torch.arange(len(members), device=device)
+        tokens = (slot_of_row[row_of] >= 0).nonzero().squeeze(1)
+        layouts.append(layout(members, width, tokens, slot_of_row[row_of[tokens]] * width + position[tokens]))
+        tokens_in_order.append(tokens)
+    return _Buckets(layouts, torch.cat(tokens_in_order).argsort())
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

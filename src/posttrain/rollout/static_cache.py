@@ -151,6 +151,8 @@ class StaticDecoder(FunctionalDecoder):
         """Refresh the fused weights from ``model`` in place (the tensors a graph reads stay
         where they are). The model must have the shapes this decoder was built for."""
         fresh = FusedWeights(model, dtype)
+        if self.matmul_dtype is not None:  # as at construction (under autocast)
+            fresh.cast_matmul_weights(self.matmul_dtype)
         if len(fresh.layers) != len(self.w.layers):
             raise ValueError(f"the model has {len(fresh.layers)} layers, the decoder {len(self.w.layers)}")
         mine_slots, their_slots = self._weight_slots(self.w), self._weight_slots(fresh)
