@@ -4,7 +4,8 @@
                                                 [--seeds 0 1 2] [--out DIR]
     python benchmarks/async_rollouts.py partial [--steps 60] [--budget 8] [--seeds 0] [--out DIR]
 
-`async`: `experiment=grpo_tiny` (its cached SFT warm start, 8 prompts x 16 samples; or the
+`async`: `experiment=grpo_tiny` (its cached SFT warm start and its batch, 32 prompts x 8 samples
+since 2026-12-02: the figures of 2026-11-27 in docs/results.md ran 8 x 16; or the
 --experiment given, e.g. outcome_rl, whose responses are 4 to 7 times longer) on this
 machine's 2 cores, two ways per seed, one after the other:
 

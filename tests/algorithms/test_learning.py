@@ -19,7 +19,7 @@ def test_headline_grpo_raises_heldout_accuracy_by_20_points(make_config, tmp_pat
 @pytest.mark.slow
 def test_ppo_raises_heldout_accuracy_by_15_points_in_the_headline_budget(make_config, tmp_path):
     """The issue's PPO figure: from the grpo_tiny warm start, >= +15 points within 500 rollout
-    batches of 128 completions (the headline's sample budget); about 6 minutes."""
+    batches of 128 completions (half the headline's 256 since 2026-12-02); about 6 minutes."""
     cfg = make_config("experiment=ppo_tiny", "logger=none", "callbacks.progress_bar=none",
                       f"paths.cache_dir={tmp_path}/cache")
     summary = run(cfg)

@@ -156,6 +156,28 @@ def test_entropy_is_skipped_or_detached_on_request():
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
 
 
+def test_logged_entropy_matches_the_differentiable_one_banned_tokens_and_hand_values():
+    """The entropy without gradient (its buffers reused in place) gives the differentiable
+    formula's values: hand-computed ones, banned (-inf) tokens counted as 0, float32 sums."""
+    from posttrain.core.logprobs import _entropy_for_logging, _entropy_with_grad
+
+    two = torch.log(torch.tensor([[0.25, 0.75, 0.0]]))  # a banned third token
+    lse = torch.logsumexp(two, -1)
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert _entropy_for_logging(two, lse).item() == pytest.approx(expected, abs=1e-6)
+    torch.manual_seed(3)
+    z = torch.randn(64, 5000) * 4
+    z[:8, :1000] = float("-inf")
+    lse = torch.logsumexp(z, -1)
+    logged, exact = _entropy_for_logging(z, lse), _entropy_with_grad(z, lse)
+    assert torch.isfinite(logged).all()
+    torch.testing.assert_close(logged, exact, rtol=1e-6, atol=1e-6)
+    reference = _entropy_with_grad(z.double(), lse.double()).float()  # float64: the truth
+    assert (logged - reference).abs().max() <= (exact - reference).abs().max() + 1e-6
+    z[0, 0] = float("nan")  # a NaN logit is not hidden
+    assert _entropy_for_logging(z, torch.logsumexp(z, -1))[0].isnan()
+
+
 def test_no_float32_copy_of_the_whole_logits_is_kept_for_backward():
     """Per-chunk recomputation: what autograd stores until the backward is the half-precision
     logits (views), never float32 tensors larger than one chunk."""

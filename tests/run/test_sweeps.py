@@ -77,6 +77,7 @@ def test_each_grid_composes_into_its_jobs(study):
     assert len({tuple(job) for job in jobs}) == count
     arms = {tuple(o for o in job if not o.startswith("seed=")): job for job in reversed(jobs)}  # first seed wins
     assert len(arms) == count // (3 if "seed" in axes else 1)
+    completions = set()
     for job in arms.values():
         cfg = compose_config(job)
         OmegaConf.resolve(cfg)
@@ -87,6 +88,24 @@ def test_each_grid_composes_into_its_jobs(study):
         batches = cfg.trainer.limit_train_batches
         assert cfg.trainer.max_epochs == 1
         assert cfg.trainer.max_steps >= batches * cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches, job
+        completions.add(cfg.algorithm.prompts_per_step * cfg.algorithm.group_size)
+    assert len(completions) <= 1, f"{study}: arms sample {sorted(completions)} completions a batch: not an equal budget"
+
+
+def test_the_main_jobs_batch_and_the_ablation_grids_batch():
+    """experiment=grpo_tiny samples 32 prompts x 8 (docs/algorithms.md, "The batch's prompt count
+    is the lever"); the ablation grids declare the 8 x 16 their budgets and figures were measured
+    at, and grpo_vs_ppo runs GRPO at PPO's 32 x 4."""
+    main = compose_config(["experiment=grpo_tiny"])
+    assert (main.algorithm.prompts_per_step, main.algorithm.group_size, main.trainer.max_steps) == (32, 8, 500)
+    for study in ("kl_estimators", "advantage_estimators", "grpo_family", "staleness", "mismatch"):
+        cfg = compose_config(grid_jobs(study)[0])
+        assert (cfg.algorithm.prompts_per_step, cfg.algorithm.group_size) == (8, 16), study
+    arms = {next(o for o in job if o.startswith("experiment=")): job for job in grid_jobs("grpo_vs_ppo")}
+    assert sorted(arms) == ["experiment=grpo_tiny", "experiment=ppo_tiny"]
+    for job in arms.values():
+        cfg = compose_config(job)
+        assert (cfg.algorithm.prompts_per_step, cfg.algorithm.group_size) == (32, 4), job
 
 
 def test_a_command_line_axis_replaces_the_files():

@@ -197,13 +197,30 @@ def _score_chunk(z, labels, support_size, *, temperature, with_entropy, entropy_
         logp = torch.where(labels < 0, torch.zeros_like(lse), picked - lse)
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            logp_all = z - lse.unsqueeze(-1)
-            p = logp_all.exp()
-            # Banned tokens have p = 0, logp = -inf: 0 * -inf is NaN (in the value and in the
-            # backward of the product), so replace logp first; their contribution is 0 by continuity.
-            entropy = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
+        if entropy_grad and torch.is_grad_enabled():
+            entropy = _entropy_with_grad(z, lse)
+        else:
+            with torch.no_grad():
+                entropy = _entropy_for_logging(z, lse)
     return logp, entropy
+
+
+def _entropy_with_grad(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v of one [n, V] chunk, differentiable (an entropy bonus)."""
+    logp_all = z - lse.unsqueeze(-1)
+    p = logp_all.exp()
+    # Banned tokens have p = 0, logp = -inf: 0 * -inf is NaN (in the value and in the
+    # backward of the product), so replace logp first; their contribution is 0 by continuity.
+    return -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
+
+
+def _entropy_for_logging(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The same H without a backward, so its [n, V] temporaries are reused in place: one buffer
+    for log p, one for p log p, where `_entropy_with_grad` makes five. Same float32 sums (tested
+    equal to it). A banned token's log p (-inf) is raised to the dtype's lowest finite value
+    first, so its term is exactly 0 * finite = 0, not NaN (a NaN logit still gives NaN)."""
+    logp_all = (z - lse.unsqueeze(-1)).clamp_min_(torch.finfo(z.dtype).min)
+    return -logp_all.exp().mul_(logp_all).sum(-1)
 
 
 @torch.no_grad()
