@@ -67,8 +67,9 @@ def test_word_problem_workers_run_every_row_to_the_limit_and_report_the_floor(vs
 def test_word_problem_defaults_are_the_issues_measurement(vs_trl):
     args = vs_trl.parse_args(["step", "--task", "word_problems"])
     assert (args.prompts, args.group_size, args.max_new_tokens, args.ignore_eos) == (2, 8, 128, False)
-    args = vs_trl.parse_args(["step"])  # the arithmetic task keeps grpo_tiny's own settings
-    assert (args.task, args.prompts, args.group_size, args.max_new_tokens) == ("arithmetic", None, None, None)
+    args = vs_trl.parse_args(["step"])  # the arithmetic task: the benchmark's own 8 x 16, not grpo_tiny's 32 x 8
+    assert (args.task, args.prompts, args.group_size, args.max_new_tokens) == ("arithmetic", 8, 16, None)
+    assert (vs_trl.parse_args(["step", "--prompts", "4"]).prompts, vs_trl.parse_args(["accuracy"]).group_size) == (4, 16)
     args = vs_trl.parse_args(["accuracy", "--task", "word_problems"])  # the preset's own recipe
     assert (args.prompts, args.group_size, args.max_new_tokens, args.eval_every) == (None, None, None, 5)
     with pytest.raises(SystemExit):  # the two modes' settings differ
