@@ -876,14 +876,11 @@ def parse_args(argv=None):
     for kl in args.kl_list:
         if kl not in KL_SETTINGS:
             parser.error(f"--kl {kl!r}: each setting is one of {list(KL_SETTINGS)}")
-    if args.task == "word_problems" and args.mode == "step":  # accuracy mode keeps grpo_smollm2's own
-        for option, default in WORD_PROBLEM_DEFAULTS.items():
-            if getattr(args, option) is None:
-                setattr(args, option, default)
-    if args.task == "arithmetic":
-        for option, default in ARITHMETIC_DEFAULTS.items():
-            if getattr(args, option) is None:
-                setattr(args, option, default)
+    # word_problems' accuracy mode keeps grpo_smollm2's own settings
+    defaults = ARITHMETIC_DEFAULTS if args.task == "arithmetic" else WORD_PROBLEM_DEFAULTS if args.mode == "step" else {}
+    for option, default in defaults.items():
+        if getattr(args, option) is None:
+            setattr(args, option, default)
     if args.task == "word_problems" and args.mode == "all":
         parser.error("--task word_problems: run mode step and mode accuracy apart (their settings differ)")
     if args.eval_every is None:  # grpo_smollm2 evaluates every 5 steps
