@@ -7,9 +7,10 @@ Memory is linear in the response length on every path:
 * attention is fused (SDPA) and never materialises [T, T] scores per layer: the lean grouped
   forward (models/grouped_forward.py) where the architecture allows (whole or FSDP2-sharded
   weights, with or without activation checkpointing), else the model's own forward with its
-  SDPA attention (transformers' default), given one float [B, 1, L, L] mask built once (a
-  boolean or 2-D mask would make SDPA convert a float copy at every layer and keep it for the
-  backward) where that mask is exact for the model;
+  SDPA attention (transformers' default), on rows laid out without padding in length buckets
+  (models/plain_forward.py), each given one float [b, 1, W, W] mask built once (a boolean or
+  2-D mask would make SDPA convert a float copy at every layer and keep it for the backward)
+  where that mask is exact for the model;
 * `sequence_logprobs` never builds the [B, T, V] logits: the LM head runs chunk by chunk
   inside `core.token_logprobs_and_entropy_from_hidden`, recomputed in the backward. It runs
   inside the model's forward, where FSDP2 has gathered the head's weight and whose backward
@@ -32,10 +33,10 @@ from posttrain.models.functional import (
     any_sharded,
     effective_weight,
     prompt_group_size,
-    real_token_positions,
     without_adapter_wrapper,
 )
 from posttrain.models.grouped_forward import grouped_forward_unsupported_reason, grouped_hidden_states, grouped_logits
+from posttrain.models.plain_forward import picked_outputs, placed_outputs, plain_buckets
 
 # Architectures whose logits are exactly lm_head(last hidden state): no softcapping, no scale
 # after the head. The scorer replaces their LM head; any other model scores full logits.
@@ -58,9 +59,9 @@ def sequence_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
     if grouped_forward_unsupported_reason(model) is None:
         group_size = prompt_group_size(prompt_ids, prompt_mask)
         return grouped_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
-    inputs = _hf_inputs(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    logits = model(**inputs, logits_to_keep=response_ids.shape[1] + 1).logits
-    return logits[:, :-1]
+    buckets = _plain_buckets(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    logits = [picked_outputs(b, model(**b.inputs, logits_to_keep=b.kept).logits) for b in buckets]
+    return placed_outputs(buckets, logits, response_ids.shape)
 
 
 def sequence_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
@@ -71,9 +72,9 @@ def sequence_hidden_states(model, prompt_ids, prompt_mask, response_ids, respons
     if grouped_forward_unsupported_reason(model) is None:
         group_size = prompt_group_size(prompt_ids, prompt_mask)
         return grouped_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask, group_size)
-    inputs = _hf_inputs(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    hidden = model.get_decoder()(**inputs).last_hidden_state
-    return hidden[:, prompt_ids.shape[1] - 1 : -1]
+    buckets = _plain_buckets(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    hidden = [picked_outputs(b, model.get_decoder()(**b.inputs).last_hidden_state[:, -b.kept:]) for b in buckets]
+    return placed_outputs(buckets, hidden, response_ids.shape)
 
 
 def sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, *, with_entropy: bool = False,
@@ -138,23 +139,29 @@ def head_is_plain(model) -> bool:
     return head is not None and hasattr(head, "weight")
 
 
-def _scored_by_the_model(model, prompt_ids, prompt_mask, response_ids, response_mask, **options):
-    """`sequence_logprobs` through the model's own forward, its LM head replaced by the chunked
-    scorer for the duration of the call. The scorer runs inside the model's forward (where
-    FSDP2 has gathered the head's weight) and its scores are the forward's output "logits"
-    [B, T, 2] (log-prob, entropy), so that FSDP2's backward hooks are attached to them."""
+def _scored_by_the_model(model, prompt_ids, prompt_mask, response_ids, response_mask, *, support_size=None,
+                         **options):
+    """`sequence_logprobs` through the model's own forward (`plain_forward`: rows without padding,
+    in length buckets), its LM head replaced by the chunked scorer for the duration of each call.
+    The scorer runs inside the model's forward (where FSDP2 has gathered the head's weight) and
+    its scores are the forward's output "logits" [n, 2] (log-prob, entropy of each real response
+    token), so that FSDP2's backward hooks are attached to them."""
     head = without_adapter_wrapper(model).get_output_embeddings()
-    width = response_ids.shape[1]
+    labels = response_ids.reshape(-1)
+    support = None if support_size is None else support_size.reshape(-1)
+    buckets = _plain_buckets(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    scores = []
+    for bucket in buckets:
+        def score(hidden, bucket=bucket):  # [b, kept, H]
+            weight, bias = effective_weight(head), getattr(head, "bias", None)
+            logp, entropy = token_logprobs_and_entropy_from_hidden(
+                picked_outputs(bucket, hidden), weight, labels[bucket.placed], bias=bias,
+                support_size=None if support is None else support[bucket.placed], **options)
+            return torch.stack([logp, logp.new_zeros(()).expand_as(logp) if entropy is None else entropy], dim=-1)
 
-    def score(hidden):  # [B, T + 1, H]: the last T + 1 positions; the last one predicts nothing
-        weight, bias = effective_weight(head), getattr(head, "bias", None)
-        logp, entropy = logprobs_from_hidden(hidden[:, :-1], weight, bias, response_ids, response_mask, **options)
-        return torch.stack([logp, logp.new_zeros(()).expand_as(logp) if entropy is None else entropy], dim=-1)
-
-    inputs = _hf_inputs(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    with _replaced_forward(head, score):
-        scores = model(**inputs, logits_to_keep=width + 1).logits
-    logp, entropy = scores.unbind(-1)
+        with _replaced_forward(head, score):
+            scores.append(model(**bucket.inputs, logits_to_keep=bucket.kept).logits)
+    logp, entropy = placed_outputs(buckets, scores, response_ids.shape).unbind(-1)
     if not options["with_entropy"]:
         entropy = None
     elif not options["entropy_grad"]:
@@ -182,23 +189,13 @@ def _unscored_padding(x, response_mask):
     return None if x is None else torch.where(response_mask.bool(), x, torch.zeros_like(x))
 
 
-def _hf_inputs(model, prompt_ids, prompt_mask, response_ids, response_mask) -> dict:
-    """The model's own forward's inputs for prompt ++ response: positions count real tokens
-    only. The attention mask is one additive float [B, 1, L, L] (causal, left padding), built
-    once and read in place by every layer's SDPA, where that is exact for the model
-    (`_float_mask_dtype`); else the [B, L] padding mask, from which the model builds its own."""
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
-    position_ids = real_token_positions(attention_mask)
-    dtype = _float_mask_dtype(model, input_ids.device)
-    if dtype is not None:
-        length = input_ids.shape[1]
-        allowed = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-        allowed = (allowed & attention_mask.bool()[:, None, :]) | torch.eye(length, dtype=torch.bool,
-                                                                              device=input_ids.device)
-        attention_mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, float("-inf"))[:, None]
-    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+def _plain_buckets(model, prompt_ids, prompt_mask, response_ids, response_mask) -> list:
+    """The model's own forward's calls for prompt ++ response (`plain_forward.plain_buckets`): one
+    additive float [b, 1, W, W] mask each, read in place by every layer's SDPA, where that is
+    exact for the model (`_float_mask_dtype`); else the [b, W] padding mask, from which the model
+    builds its own."""
+    return plain_buckets(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                         _float_mask_dtype(model, prompt_ids.device))
 
 
 def _float_mask_dtype(model, device: torch.device) -> torch.dtype | None:

@@ -99,6 +99,7 @@ from posttrain.models.functional import (
     unsupported_reason,
     without_adapter_wrapper,
 )
+from posttrain.models.length_buckets import length_buckets
 
 try:
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
@@ -294,41 +295,11 @@ def _prompt_allowed(prompt_mask: torch.Tensor) -> torch.Tensor:
 
 
 def response_buckets(lengths: list[int], prompt_length: int, cost_pairs: int | None = None) -> list[list[int]]:
-    """The rows of each attention bucket, given each row's number of response queries
-    ``lengths``: rows sorted by length (longest first) and cut where the cut saves more padded
-    query-key pairs than ``cost_pairs`` (default `BUCKET_COST_PAIRS`) per extra bucket. A bucket of rows whose longest has L
-    queries costs rows x L x (P + L) pairs; the cuts are the cheapest (dynamic programme over the
-    distinct lengths). One bucket is ``[list(range(B))]``, the rows in their own order; rows
-    without a query go in no bucket when there are several."""
+    """The rows of each attention bucket (`length_buckets`), given each row's number of response
+    queries ``lengths``: a bucket of rows whose longest has L queries costs rows x L x (P + L)
+    query-key pairs, and each extra bucket ``cost_pairs`` (default `BUCKET_COST_PAIRS`)."""
     cost_pairs = BUCKET_COST_PAIRS if cost_pairs is None else cost_pairs
-    total = len(lengths)
-    longest = max(lengths, default=0)
-    needed = sum(n * (prompt_length + n) for n in lengths)  # no bucketing can go below this
-    if total * longest * (prompt_length + longest) - needed <= cost_pairs:
-        return [list(range(total))]
-    distinct = sorted({n for n in lengths if n > 0}, reverse=True)
-    count = {n: 0 for n in distinct}
-    for n in lengths:
-        if n > 0:
-            count[n] += 1
-    rows_up_to = [0]  # rows_up_to[j]: rows of the j longest distinct lengths
-    for n in distinct:
-        rows_up_to.append(rows_up_to[-1] + count[n])
-    best, cut = [0] + [None] * len(distinct), [0] * (len(distinct) + 1)
-    for j in range(1, len(distinct) + 1):  # best[j]: the cheapest cover of the j longest lengths
-        for i in range(j):  # one bucket holds distinct[i:j]; its longest is distinct[i]
-            n = distinct[i]
-            cost = best[i] + (rows_up_to[j] - rows_up_to[i]) * n * (prompt_length + n) + cost_pairs
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i
-    bounds, j = [], len(distinct)
-    while j > 0:
-        bounds.append((distinct[cut[j]], distinct[j - 1]))
-        j = cut[j]
-    if len(bounds) == 1:  # rows without a query are not worth a layout of their own
-        return [list(range(total))]
-    order = sorted((r for r in range(total) if lengths[r] > 0), key=lambda r: -lengths[r])
-    return [[r for r in order if low <= lengths[r] <= high] for high, low in reversed(bounds)]
+    return length_buckets(lengths, lambda n: n * (prompt_length + n), cost_pairs)
 
 
 @dataclass(frozen=True)
