@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from posttrain.models import grouped_forward
 from posttrain.models.forward import sequence_hidden_states, sequence_logprobs
 from posttrain.models.grouped_forward import response_buckets
 from posttrain.models.tiny import build_tiny_model
+from scoring_batches import smollm2_shaped, uneven_batch
 
 
 def test_even_or_short_rows_stay_one_bucket_in_their_own_order():
@@ -36,35 +36,7 @@ def test_rows_without_a_query_are_left_out_only_among_several_buckets():
     assert response_buckets([50, 0, 3], prompt_length=1, cost_pairs=0) == [[0], [2]]
 
 
-def _smollm2_shaped():
-    """SmolLM2-135M's layout at toy width: 9 query heads over 3 kv heads, tied embeddings, no biases."""
-    config = transformers.LlamaConfig(vocab_size=48, hidden_size=72, num_hidden_layers=2, num_attention_heads=9,
-                                      num_key_value_heads=3, intermediate_size=96, max_position_embeddings=256,
-                                      tie_word_embeddings=True, rope_parameters={"rope_type": "default",
-                                                                                 "rope_theta": 100000.0})
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(config).train()
-
-
-MODELS = {"embedded": lambda: build_tiny_model(vocab_size=40).train(), "smollm2_shaped": _smollm2_shaped}
-
-
-def _uneven_batch(vocab: int, group_size: int, seed: int = 0):
-    """3 left-padded prompts x `group_size` responses of lengths 1 to 40 (a prefix mask)."""
-    g = torch.Generator().manual_seed(seed)
-    plen, width = 6, 40
-    prompts = torch.randint(3, vocab, (3, plen), generator=g)
-    prompt_mask = torch.ones_like(prompts)
-    for row, pad in enumerate((0, 2, 1)):
-        prompts[row, :pad], prompt_mask[row, :pad] = 0, 0
-    rows = 3 * group_size
-    lengths = torch.randint(1, width + 1, (rows,), generator=g)
-    lengths[0], lengths[-1] = 1, width
-    response_mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
-    response_ids = torch.randint(3, vocab, (rows, width), generator=g) * response_mask.long()
-    return (prompts.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0),
-            response_ids, response_mask)
+MODELS = {"embedded": lambda: build_tiny_model(vocab_size=40).train(), "smollm2_shaped": smollm2_shaped}
 
 
 def _scored(monkeypatch, model, batch, cost_pairs, plans):
@@ -88,7 +60,7 @@ def test_buckets_give_the_padded_layouts_logprobs_and_gradients(monkeypatch, arc
     never met), for the policy's log-probs and entropies (the reference's and the teacher's are
     the same call without grad) and the critic's hidden states."""
     model = MODELS[arch]()
-    batch = _uneven_batch(model.config.vocab_size, group_size, seed=group_size)
+    batch = uneven_batch(model.config.vocab_size, group_size, seed=group_size)
     one_plans, many_plans = [], []
     padded = _scored(monkeypatch, model, batch, 1 << 40, one_plans)
     bucketed = _scored(monkeypatch, model, batch, 0, many_plans)
@@ -106,8 +78,8 @@ def test_buckets_give_the_padded_layouts_logprobs_and_gradients(monkeypatch, arc
 
 
 def test_bucketed_checkpointed_forward_gives_the_same_gradients(monkeypatch):
-    model = _smollm2_shaped()
-    batch = _uneven_batch(model.config.vocab_size, 2)
+    model = smollm2_shaped()
+    batch = uneven_batch(model.config.vocab_size, 2)
     plain = _scored(monkeypatch, model, batch, 0, [])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     checkpointed = _scored(monkeypatch, model, batch, 0, [])

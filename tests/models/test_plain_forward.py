@@ -11,17 +11,7 @@ import transformers
 from posttrain.models import forward, plain_forward
 from posttrain.models.plain_forward import plain_buckets
 from posttrain.models.tiny import build_tiny_model
-
-
-def _smollm2_shaped():
-    """SmolLM2-135M's layout at toy width: 9 query heads over 3 kv heads, tied embeddings."""
-    config = transformers.LlamaConfig(vocab_size=48, hidden_size=72, num_hidden_layers=2, num_attention_heads=9,
-                                      num_key_value_heads=3, intermediate_size=96, max_position_embeddings=256,
-                                      tie_word_embeddings=True,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(config).train()
+from scoring_batches import smollm2_shaped, uneven_batch
 
 
 def _qwen3():
@@ -34,26 +24,8 @@ def _qwen3():
         return transformers.Qwen3ForCausalLM(config).train()
 
 
-MODELS = {"embedded": lambda: build_tiny_model(vocab_size=40).train(), "smollm2_shaped": _smollm2_shaped,
+MODELS = {"embedded": lambda: build_tiny_model(vocab_size=40).train(), "smollm2_shaped": smollm2_shaped,
           "qwen3": _qwen3}
-
-
-def _uneven_batch(vocab: int, group_size: int, seed: int = 0):
-    """3 left-padded prompts (6 tokens, padded 0 / 2 / 1) x `group_size` responses of lengths
-    1 to 30 (a prefix mask)."""
-    g = torch.Generator().manual_seed(seed)
-    plen, width = 6, 30
-    prompts = torch.randint(3, vocab, (3, plen), generator=g)
-    prompt_mask = torch.ones_like(prompts)
-    for row, pad in enumerate((0, 2, 1)):
-        prompts[row, :pad], prompt_mask[row, :pad] = 0, 0
-    rows = 3 * group_size
-    lengths = torch.randint(1, width + 1, (rows,), generator=g)
-    lengths[0], lengths[-1] = 1, width
-    response_mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
-    response_ids = torch.randint(3, vocab, (rows, width), generator=g) * response_mask.long()
-    return (prompts.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0),
-            response_ids, response_mask)
 
 
 def _padded_logits(model, prompt_ids, prompt_mask, response_ids, response_mask):
@@ -70,7 +42,7 @@ def _fallback(monkeypatch, cost_tokens):
     """The model's own forward for every model, with `BUCKET_COST_TOKENS` = cost_tokens; returns
     the list each call's bucket plan (rows per bucket) is appended to."""
     monkeypatch.setattr(forward, "grouped_forward_unsupported_reason", lambda model: "the test's fallback")
-    monkeypatch.setattr(plain_forward, "BUCKET_COST_TOKENS", cost_tokens)
+    monkeypatch.setattr(plain_forward, "BUCKET_COST_TOKENS", {"cpu": cost_tokens})
     plans, original = [], plain_forward.plain_buckets
 
     def recorded(*args, **kwargs):
@@ -135,7 +107,7 @@ def test_bucketed_rows_give_the_padded_forwards_logprobs_hidden_states_and_gradi
     model = MODELS[arch]()
     if checkpointed:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    batch = _uneven_batch(model.config.vocab_size, group_size=2, seed=3)
+    batch = uneven_batch(model.config.vocab_size, group_size=2, seed=3, width=30)
     real = batch[3].bool()
     weights = torch.randn(3, *real.shape, generator=torch.Generator().manual_seed(1)) * batch[3]
     logits = _padded_logits(model, *batch).float() / 0.9
@@ -173,8 +145,8 @@ def test_bucketed_rows_give_the_padded_forwards_logprobs_hidden_states_and_gradi
 def test_the_samplers_support_is_read_at_each_rows_own_tokens(monkeypatch):
     """keep_sampling_mask (DeepSeek-V3.2): each token's top-k support size travels with it into
     its bucket, so log-probs restricted to it do not depend on the buckets."""
-    model = _smollm2_shaped()
-    batch = _uneven_batch(model.config.vocab_size, group_size=2, seed=4)
+    model = smollm2_shaped()
+    batch = uneven_batch(model.config.vocab_size, group_size=2, seed=4, width=30)
     support = torch.randint(1, 6, batch[3].shape, generator=torch.Generator().manual_seed(5))
     _fallback(monkeypatch, cost_tokens=1 << 30)
     one, _ = forward.sequence_logprobs(model, *batch, support_size=support)

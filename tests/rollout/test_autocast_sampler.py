@@ -66,3 +66,45 @@ def test_a_kept_decoder_is_reused_under_autocast_with_its_weights_cast_alike():
         second = sampler.generate(model, ids, mask, params, 999, 0)
     assert sampler._decoders.kept == [kept] and kept.w.layers[0].w_qkv.dtype == torch.bfloat16
     assert torch.equal(first.response_ids, second.response_ids) and torch.equal(first.logprobs, second.logprobs)
+
+
+def _forced(decoder, ids, mask, tokens):
+    """Logits of a prefill and one decode step per column of ``tokens`` [B, S] (teacher-forced)."""
+    logits = [decoder.prefill(ids, mask)]
+    for column in tokens.t():
+        logits.append(decoder.step(column))
+    return torch.stack(logits).float()
+
+
+def test_a_bf16_cache_on_the_cpu_is_read_whole_with_the_unwritten_columns_masked(monkeypatch):
+    """On a CPU a bf16 decode step attends over every cache column (a slice would be copied by
+    bmm first), the columns not yet written masked: the logits are those of the slice's attention
+    up to bf16 rounding, at every step of a left-padded batch."""
+    model = _llama()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 64, (4, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    tokens = torch.randint(3, 64, (4, 12), generator=g)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = FunctionalDecoder(model, 4, 20)
+        got = _forced(whole, ids, mask, tokens)
+        monkeypatch.setattr(FunctionalDecoder, "ATTENDS_WHOLE_CACHE", False)
+        sliced = FunctionalDecoder(model, 4, 20)
+        expected = _forced(sliced, ids, mask, tokens)
+    assert whole.whole_cache_attention and not sliced.whole_cache_attention
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
+    # the masked columns matter: unmasked, the zero keys of the unwritten columns change the logits
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        monkeypatch.setattr(FunctionalDecoder, "ATTENDS_WHOLE_CACHE", True)
+        unmasked = FunctionalDecoder(model, 4, 20)
+        unmasked.prefill(ids, mask)
+        unmasked.decode_mask[..., 7:] = 0
+        step = unmasked.step(tokens[:, 0]).float()
+    assert (step - expected[1]).abs().max() > 0.1
+
+
+def test_a_float32_cache_reads_only_the_columns_written():
+    decoder = FunctionalDecoder(_llama(), 2, 10)
+    assert not decoder.whole_cache_attention

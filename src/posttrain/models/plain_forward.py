@@ -26,8 +26,11 @@ import torch
 from posttrain.models.functional import additive_mask, any_sharded, without_adapter_wrapper
 from posttrain.models.length_buckets import length_buckets
 
-# One more forward of the model (its Python and per-layer kernel launches), in padded tokens.
-BUCKET_COST_TOKENS = 64
+# One more forward of the model (its Python and per-layer kernel launches), in padded tokens: on a
+# CPU a token's matmuls are slow beside a call; on an accelerator a call's launches cost as much as
+# many tokens (an estimate: not measured on one).
+BUCKET_COST_TOKENS = {"cpu": 64}
+ACCELERATOR_BUCKET_COST_TOKENS = 1024
 # How many query-key pairs of attention cost as much as one token's matmuls (a 135M model's
 # layer: ~7 MFLOP a token against ~2 kFLOP a pair; larger models have more per token).
 ATTENTION_PAIRS_PER_TOKEN = 2048
@@ -57,7 +60,8 @@ def plain_buckets(model, prompt_ids, prompt_mask, response_ids, response_mask,
     if any_sharded(without_adapter_wrapper(model)):
         plan = [list(range(len(lengths)))]
     else:
-        plan = length_buckets(lengths, lambda n: n + n * n / ATTENTION_PAIRS_PER_TOKEN, BUCKET_COST_TOKENS)
+        call_cost = BUCKET_COST_TOKENS.get(prompt_ids.device.type, ACCELERATOR_BUCKET_COST_TOKENS)
+        plan = length_buckets(lengths, lambda n: n + n * n / ATTENTION_PAIRS_PER_TOKEN, call_cost)
     tokens = torch.cat([prompt_ids, response_ids], dim=1)
     return [_bucket(torch.tensor(rows, device=tokens.device), tokens, prompt_ids.shape[1], prompt_lengths,
                     response_lengths, response_ids.shape[1], float_mask_dtype) for rows in plan]
