@@ -1,5 +1,8 @@
 """The training forward + backward with the response attention in length buckets against one
-padded layout (models/grouped_forward.py, `BUCKET_COST_PAIRS`), side by side in one process.
+padded layout (models/grouped_forward.py, `BUCKET_COST_PAIRS`), side by side in one process;
+with `--forward plain`, the model's own forward (the fallback, models/plain_forward.py) on rows
+in length buckets (`BUCKET_COST_TOKENS`) against one bucket of every row (with prompts of one
+length, as here, that is the padded layout itself).
 
 One step: 2 prompts x 8 samples (a `--prompt`-token prompt each), responses of uneven lengths
 (`--lengths`: "uniform" draws each from [max/4, max], the longest exactly max; "full" makes
@@ -11,6 +14,7 @@ times; the table gives each one's median and the median of the per-repeat ratios
 
     python benchmarks/packed_attention.py --max-tokens 128 512 --threads 1 --repeats 3 \
         --out benchmarks/results/packed_attention.json
+    python benchmarks/packed_attention.py --forward plain --max-tokens 128 512 --threads 1 --repeats 3
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from posttrain.models import grouped_forward
+from posttrain.models import forward, grouped_forward, plain_forward
 from posttrain.models.forward import sequence_logprobs
 
 ONE_BUCKET = 1 << 62  # a cost no split can outweigh
@@ -53,8 +57,10 @@ def batch(max_tokens: int, prompt: int, lengths: str, seed: int):
     return (prompt_ids, prompt_mask, response_ids, response_mask), length
 
 
-def step_seconds(model, inputs, cost_pairs: int, bf16: bool) -> float:
-    grouped_forward.BUCKET_COST_PAIRS = cost_pairs
+def step_seconds(model, inputs, cost: int, bf16: bool) -> float:
+    """One forward + backward, a bucket costing ``cost`` (pairs, or tokens on the plain forward)."""
+    grouped_forward.BUCKET_COST_PAIRS = cost
+    plain_forward.BUCKET_COST_TOKENS = {"cpu": cost}
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
@@ -72,18 +78,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--forward", default="grouped", choices=("grouped", "plain"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = smollm2_architecture(args.layers)
-    default_cost = grouped_forward.BUCKET_COST_PAIRS
+    plain = args.forward == "plain"
+    if plain:  # as for an architecture the grouped forward refuses
+        forward.grouped_forward_unsupported_reason = lambda model: "benchmarks/packed_attention.py --forward plain"
+    default_cost = plain_forward.BUCKET_COST_TOKENS["cpu"] if plain else grouped_forward.BUCKET_COST_PAIRS
     rows = []
     for max_tokens in args.max_tokens:
         inputs, length = batch(max_tokens, args.prompt, args.lengths, seed=max_tokens)
-        queries = (length - 1).clamp(min=0).tolist()
-        plan = grouped_forward.response_buckets(queries, args.prompt)
-        padded = len(queries) * max(queries) * (args.prompt + max(queries))
-        bucketed = sum(len(b) * max(queries[r] for r in b) * (args.prompt + max(queries[r] for r in b)) for b in plan)
+        if plain:  # whole rows; what is kept is tokens
+            queries = (length + args.prompt).tolist()
+            plan = plain_forward.length_buckets(queries, plain_forward.row_cost, default_cost)
+            padded = len(queries) * max(queries)
+            bucketed = sum(len(b) * max(queries[r] for r in b) for b in plan)
+        else:
+            queries = (length - 1).clamp(min=0).tolist()
+            plan = grouped_forward.response_buckets(queries, args.prompt)
+            padded = len(queries) * max(queries) * (args.prompt + max(queries))
+            bucketed = sum(len(b) * max(queries[r] for r in b) * (args.prompt + max(queries[r] for r in b))
+                           for b in plan)
         step_seconds(model, inputs, default_cost, args.bf16)  # warm-up (allocator, kernels)
         times = {"one bucket": [], "buckets": []}
         for repeat in range(args.repeats):
@@ -96,7 +113,7 @@ def main() -> None:
                "buckets_s": statistics.median(times["buckets"]), "speedup": statistics.median(ratios), "times": times}
         rows.append(row)
         print(f"T={max_tokens:4d} mean length {row['mean_length']:.0f}: {len(plan)} buckets keep "
-              f"{100 * row['pairs_kept']:.0f}% of the padded attention pairs; one bucket {row['one_bucket_s']:.2f} s, "
+              f"{100 * row['pairs_kept']:.0f}% of the padded {'tokens' if plain else 'attention pairs'}; one bucket {row['one_bucket_s']:.2f} s, "
               f"buckets {row['buckets_s']:.2f} s, speedup {row['speedup']:.3f}x", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))

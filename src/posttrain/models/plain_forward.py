@@ -61,10 +61,16 @@ def plain_buckets(model, prompt_ids, prompt_mask, response_ids, response_mask,
         plan = [list(range(len(lengths)))]
     else:
         call_cost = BUCKET_COST_TOKENS.get(prompt_ids.device.type, ACCELERATOR_BUCKET_COST_TOKENS)
-        plan = length_buckets(lengths, lambda n: n + n * n / ATTENTION_PAIRS_PER_TOKEN, call_cost)
+        plan = length_buckets(lengths, row_cost, call_cost)
     tokens = torch.cat([prompt_ids, response_ids], dim=1)
     return [_bucket(torch.tensor(rows, device=tokens.device), tokens, prompt_ids.shape[1], prompt_lengths,
                     response_lengths, response_ids.shape[1], float_mask_dtype) for rows in plan]
+
+
+def row_cost(width: int) -> float:
+    """What a row costs in a bucket ``width`` tokens wide, in tokens: its matmuls, and its
+    attention pairs in `ATTENTION_PAIRS_PER_TOKEN`."""
+    return width + width * width / ATTENTION_PAIRS_PER_TOKEN
 
 
 def _bucket(rows, tokens, padded_prompt, prompt_lengths, response_lengths, width, float_mask_dtype) -> PlainBucket:
