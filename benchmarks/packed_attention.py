@@ -90,11 +90,10 @@ def main() -> None:
     rows = []
     for max_tokens in args.max_tokens:
         inputs, length = batch(max_tokens, args.prompt, args.lengths, seed=max_tokens)
-        if plain:  # whole rows; what is kept is tokens
-            queries = (length + args.prompt).tolist()
-            plan = plain_forward.length_buckets(queries, plain_forward.row_cost, default_cost)
-            padded = len(queries) * max(queries)
-            bucketed = sum(len(b) * max(queries[r] for r in b) for b in plan)
+        if plain:  # whole rows, the forward's own plan; what is kept is tokens
+            plan = plain_forward.plain_buckets(model, *inputs, None)
+            padded = len(length) * int(length.max() + args.prompt)
+            bucketed = sum(b.inputs["input_ids"].numel() for b in plan)
         else:
             queries = (length - 1).clamp(min=0).tolist()
             plan = grouped_forward.response_buckets(queries, args.prompt)

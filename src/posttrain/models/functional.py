@@ -510,7 +510,7 @@ class FunctionalDecoder:
         step_pos = real_len[None, :] + torch.arange(steps, device=self.device)[:, None]  # [T, B]
         self.step_rotation = self._rotation(step_pos)[:, :, None, :].contiguous()  # [T, B, 1, D/2]
         # additive key mask hiding the left padding, in the [B * kv_heads, 1, S] layout
-        # of the decode attention's baddbmm (generated columns are always visible)
+        # of the decode attention's baddbmm (a generated column is visible once written)
         key_ok = torch.ones(batch, self.max_len, dtype=torch.bool, device=self.device)
         key_ok[:, :plen] = prompt_mask.bool()
         if self.whole_cache_attention:  # each generated column is shown by the step that writes it
