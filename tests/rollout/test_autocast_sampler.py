@@ -76,10 +76,10 @@ def _forced(decoder, ids, mask, tokens):
     return torch.stack(logits).float()
 
 
-def test_a_bf16_cache_on_the_cpu_is_read_whole_with_the_unwritten_columns_masked(monkeypatch):
-    """On a CPU a bf16 decode step attends over every cache column (a slice would be copied by
-    bmm first), the columns not yet written masked: the logits are those of the slice's attention
-    up to bf16 rounding, at every step of a left-padded batch."""
+def test_a_bf16_decode_step_on_the_cpu_runs_sdpa_on_the_written_columns(monkeypatch):
+    """On a CPU a bf16 decode step runs SDPA on the cache's written columns (bmm would copy the
+    slice first): the logits are those of the bmm attention up to bf16 rounding, at every step of
+    a left-padded batch, and the columns beyond the step are never read."""
     model = _llama()
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 64, (4, 7), generator=g)
@@ -87,24 +87,27 @@ def test_a_bf16_cache_on_the_cpu_is_read_whole_with_the_unwritten_columns_masked
     mask[1, :3] = 0
     tokens = torch.randint(3, 64, (4, 12), generator=g)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        whole = FunctionalDecoder(model, 4, 20)
-        got = _forced(whole, ids, mask, tokens)
-        monkeypatch.setattr(FunctionalDecoder, "ATTENDS_WHOLE_CACHE", False)
-        sliced = FunctionalDecoder(model, 4, 20)
-        expected = _forced(sliced, ids, mask, tokens)
-    assert whole.whole_cache_attention and not sliced.whole_cache_attention
+        sdpa = FunctionalDecoder(model, 4, 20)
+        sdpa.k_cache.fill_(float("nan"))  # an unwritten column that were read would poison every logit
+        sdpa.v_cache.fill_(float("nan"))
+        got = _forced(sdpa, ids, mask, tokens)
+        monkeypatch.setattr(FunctionalDecoder, "DECODES_WITH_SDPA", False)
+        bmm = FunctionalDecoder(model, 4, 20)
+        expected = _forced(bmm, ids, mask, tokens)
+    assert sdpa.sdpa_decode and not bmm.sdpa_decode
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
-    # the masked columns matter: unmasked, the zero keys of the unwritten columns change the logits
+    # the padding mask reaches SDPA: unmasked, row 1's left pads change its logits
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        monkeypatch.setattr(FunctionalDecoder, "ATTENDS_WHOLE_CACHE", True)
+        monkeypatch.setattr(FunctionalDecoder, "DECODES_WITH_SDPA", True)
         unmasked = FunctionalDecoder(model, 4, 20)
         unmasked.prefill(ids, mask)
-        unmasked.decode_mask[..., 7:] = 0
+        unmasked.decode_mask.zero_()
         step = unmasked.step(tokens[:, 0]).float()
-    assert (step - expected[1]).abs().max() > 0.1
+    assert (step[1] - expected[1, 1]).abs().max() > 0.1
+    torch.testing.assert_close(step[0], expected[1, 0], atol=3e-2, rtol=3e-2)
 
 
 def test_a_float32_cache_reads_only_the_columns_written():
     decoder = FunctionalDecoder(_llama(), 2, 10)
-    assert not decoder.whole_cache_attention
+    assert not decoder.sdpa_decode

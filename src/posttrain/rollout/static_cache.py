@@ -101,7 +101,7 @@ class StaticDecoder(FunctionalDecoder):
     run eagerly or, with ``graphs=True`` on a CUDA device, as one captured CUDA graph per
     attention window. ``prefill`` is the eager path's (it fills the same cache)."""
 
-    ATTENDS_WHOLE_CACHE = False  # its windows (a slice of the cache, masked past the column) instead
+    DECODES_WITH_SDPA = False  # its windows (a slice of the cache, masked past the column) instead
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype | None = None,
                  graphs: bool = False):
