@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 
 import pytest
 import torch
@@ -414,6 +415,57 @@ def test_checkpointing_keeps_only_each_layers_inputs_and_gives_the_same_gradient
     assert (plain["fuses"], checkpointed["fuses"]) == (layers, 2 * layers)
     assert plain["fused_saved"] >= 2 * layers and checkpointed["fused_saved"] == 0
     assert checkpointed["saved_bytes"] < plain["saved_bytes"] / 5
+
+
+class _OpsAndHeldBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matmuls run and remembers every op's output, to sum what is still held later."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls, self.outputs = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        self.outputs += [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def held_bytes(self) -> int:
+        alive = (ref() for ref in self.outputs)
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive if t is not None}.values())
+
+
+@pytest.mark.parametrize("path", ["grouped", "model_forward"])
+def test_selective_checkpointing_keeps_the_matmul_outputs_and_runs_no_matmul_twice(monkeypatch, path):
+    """model.gradient_checkpointing=selective, on both training forwards: the log-probs and
+    gradients are the unchecked ones; the backward runs no matmul again (full checkpointing
+    runs most of them twice); what the forward leaves held for the backward lies between full
+    checkpointing's and no checkpointing's."""
+    from posttrain.distributed.recompute import enable_activation_checkpointing
+    from posttrain.models.forward import sequence_logprobs
+
+    if path == "model_forward":
+        _model_forward_only(monkeypatch)
+    model = _llama(num_hidden_layers=3)
+    batch = _batch(model.config.vocab_size, group_size=2, width=16)
+    runs = {}
+    for mode in (False, True, "selective"):
+        scored = copy.deepcopy(model)
+        if mode:
+            enable_activation_checkpointing(scored, mode)
+        with _OpsAndHeldBytes() as ops:
+            logp, entropy = sequence_logprobs(scored, *batch, with_entropy=True)
+            held = ops.held_bytes()
+            forward_matmuls = ops.matmuls
+            grads = torch.autograd.grad((logp * batch[3]).sum() + entropy.sum(), list(scored.parameters()))
+        runs[mode] = dict(logp=logp, grads=grads, held=held, recomputed=ops.matmuls - 3 * forward_matmuls)
+    plain, full, selective = runs[False], runs[True], runs["selective"]
+    assert torch.equal(selective["logp"], plain["logp"])
+    for (name, _), a, b in zip(model.named_parameters(), selective["grads"], plain["grads"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+    # a matmul's backward is two matmuls (its input's and its weight's gradients), one where the input needs none
+    assert selective["recomputed"] == plain["recomputed"] and full["recomputed"] > plain["recomputed"] + 3 * 3
+    assert full["held"] < selective["held"] < plain["held"]
 
 
 def test_the_training_forward_never_allocates_the_full_logits(monkeypatch):

@@ -30,7 +30,9 @@ MODEL_SPECS: dict[str, Spec] = {
     "model.max_position_embeddings": integer(1),
     "model.tie_word_embeddings": boolean(),
     "model.dtype": choice(*DTYPES),
-    "model.gradient_checkpointing": boolean().about("HF gradient checkpointing of the trainable policy"),
+    "model.gradient_checkpointing": either(boolean(), choice("selective"), expected="true, false or 'selective'").about(
+        "the trainable policy's decoder layers, recomputed in the backward: true (all of each layer), 'selective' "
+        "(all but its matmuls and attention, whose outputs are kept) or false"),
     "model.allow_low_precision_weights": boolean().about("true: let AdamW step bfloat16/float16 weights"),
     "model.lora.r": optional(integer(1)).about("LoRA rank; null: LoRA off"),
     "model.lora.alpha": POSITIVE.about("LoRA scale alpha / r"),

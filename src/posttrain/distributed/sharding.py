@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from posttrain.distributed.recompute import enable_activation_checkpointing
 from posttrain.errors import CheckpointError, ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -239,14 +240,6 @@ def shard_lm(lm: nn.Module, mesh, policy: ShardingPolicy, trainable: bool, root:
     for unit in decoder_blocks(lm) + [root]:
         fully_shard(unit, mesh=mesh, mp_policy=mixed_precision, reshard_after_forward=policy.reshard_after_forward)
         unit.posttrain_reshard_after_forward = policy.reshard_after_forward  # full_weights sets it back
-
-
-def enable_activation_checkpointing(lm: nn.Module) -> None:
-    # non-reentrant: the reentrant variant does not compose with FSDP2's hooks
-    if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 # --- full weights back --------------------------------------------------------------------

@@ -17,9 +17,10 @@ a differentiable `cat`): without grad one layer's fused copy exists at a time; w
 layer's copy is kept for the backward (its matmuls save it), unless checkpointing is on.
 
 Activation checkpointing: when the Hugging Face model has it on (`gradient_checkpointing_enable`)
-and grad is enabled, each layer's step runs inside `torch.utils.checkpoint` (non-reentrant), so
-the backward keeps only each layer's inputs (the prompt and response hidden states) and rebuilds
-the fused weights and activations in the recompute. The same ops run again: log-probs and
+and grad is enabled, each layer's step runs inside the checkpoint function its layer was given
+(`distributed/recompute.py`: non-reentrant), so the backward keeps only each layer's inputs (the
+prompt and response hidden states; "selective": and its matmuls' and attention's outputs) and
+rebuilds the fused weights and the rest in the recompute. The same ops run again: log-probs and
 gradients are those of the plain grouped forward.
 
 FSDP2 (trainer=fsdp, `distributed/sharding.py:shard_lm`: every decoder layer and the model are
@@ -89,8 +90,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from posttrain.distributed.recompute import checkpointing_on, layer_checkpoint
 from posttrain.models.functional import (
     DecoderWeights,
     _unit_rms,
@@ -134,12 +135,6 @@ def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
 
 
-def _checkpointing(hf_model: nn.Module) -> bool:
-    """Whether the Hugging Face model has activation (gradient) checkpointing on."""
-    on = getattr(hf_model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
-    return bool(on if on is not None else getattr(hf_model, "is_gradient_checkpointing", False))
-
-
 def grouped_logits(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                    response_ids: torch.Tensor, response_mask: torch.Tensor, group_size: int) -> torch.Tensor:
     """Logits predicting each response token, [B, T, V], as `forward.sequence_logits`.
@@ -172,7 +167,7 @@ def grouped_hidden_states(model: nn.Module, prompt_ids: torch.Tensor, prompt_mas
 def _grouped(model, finish, prompt_ids, prompt_mask, response_ids, response_mask, group_size):
     """``finish(weights, *_trunk(...))``, the whole run as a forward of ``model`` (`_as_forward_of`)."""
     hf_model = without_adapter_wrapper(model)
-    checkpointed = _checkpointing(hf_model) and torch.is_grad_enabled()
+    checkpointed = checkpointing_on(hf_model) and torch.is_grad_enabled()
 
     def forward(prompt_ids, prompt_mask, response_ids, response_mask):
         w = DecoderWeights(hf_model)  # read here: an FSDP2 root's weights are whole only inside its forward
@@ -254,8 +249,8 @@ def _trunk(w: DecoderWeights, prompt_ids, prompt_mask, response_ids, response_ma
     for block in w.blocks:
         step = functools.partial(_decoder_layer, w, block, rotations=(prompt_rot, response_rot),
                                  prompt_attention=prompt_attention, buckets=buckets)
-        if checkpointed:  # the backward keeps the step's inputs only, and runs it again
-            step = functools.partial(checkpoint, step, use_reentrant=False)
+        if checkpointed:  # the backward keeps the step's inputs (and, selective, its matmuls' outputs)
+            step = functools.partial(layer_checkpoint(block), step)
         hp, hr = _as_forward_of(block, step, hp, hr)
     return _final_norm(w, hp[:, -1]), _final_norm(w, hr), rows
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
+from posttrain.distributed.recompute import enable_activation_checkpointing
 from posttrain.distributed.sharding import (
-    enable_activation_checkpointing,
     is_distributed_checkpoint,
     policy_weights_from_distributed_checkpoint,
 )
@@ -89,9 +89,9 @@ def load_tokenizer_and_model(model_cfg, alphabet: str):
     # export (save_pretrained writes generation_config.json) and engines reading the model's
     # generation config (transformers, vLLM) all stop on the same ids.
     model.generation_config.eos_token_id = stop_token_ids(tokenizer, model)
-    if model_cfg.get("gradient_checkpointing", False):  # .get: configs saved before the key existed
-
-        enable_activation_checkpointing(model)  # non-reentrant; recomputes each decoder block in backward
+    checkpointing = model_cfg.get("gradient_checkpointing", False)  # .get: configs saved before the key existed
+    if checkpointing:  # true: recompute each decoder layer in the backward; "selective": all but its matmuls
+        enable_activation_checkpointing(model, checkpointing)
     model = apply_lora(model, model_cfg)  # model.lora: an adapter on the loaded, dropout-free base
     if adapter_weights:
         load_adapter_weights(model, init_from)
