@@ -178,6 +178,8 @@ def test_model_hf_without_a_model_is_refused():
     (("num_threads=0",), "num_threads=0"),
     (("algorithm.optim.betas=[0.9]",), "algorithm.optim.betas=[0.9]"),
     (("trainer.precision=31",), "trainer.precision=31"),
+    (("model.gradient_checkpointing=partial",),
+     "model.gradient_checkpointing='partial' is not valid: expected true, false or 'selective'"),
     (("trainer.gradient_clip_val=1.0",), "algorithm.max_grad_norm"),
     (("algorithm=grpo", "kl_estimator.coef=-1"), "kl_estimator.coef=-1"),
     (("algorithm=grpo", "reward.components.accuracy.weight=heavy"), "reward.components.accuracy.weight='heavy'"),

@@ -33,6 +33,8 @@ def test_saved_activations_of_a_layer():
     assert cost.layer_activation_bytes(SHAPE, 1, 3, 2, 4, 4) == (444 + 1184 + 112) * 4
     # checkpointed: the layer's input only, (3 + 8) tokens x 8
     assert cost.checkpointed_layer_bytes(SHAPE, 1, 3, 2, 4, 4) == 11 * 8 * 4
+    # selective: and its matmuls' and attention's outputs, 3 H + 2 q + 2 kv + 2 I = 24 + 16 + 8 + 32
+    assert cost.selective_layer_bytes(SHAPE, 1, 3, 2, 4, 4) == 11 * 80 * 4
     assert cost.forward_working_elements_per_token(SHAPE) == 3 * 8 + 4 * 16
 
 
@@ -49,6 +51,7 @@ def test_flops():
     assert cost.generation_flops(SHAPE, 1, 3, 2, 4) == cost.forward_flops(SHAPE, 1, 3, 2, 4)
     assert cost.training_flops(100, checkpointed=False) == 300
     assert cost.training_flops(100, checkpointed=True) == 400
+    assert cost.training_flops(100, checkpointed="selective") == 300  # no matmul runs twice
 
 
 def test_decode_reads_the_weights_every_step_and_the_cache_so_far():

@@ -7,11 +7,13 @@ Its memory and time predictions against measured runs: benchmarks/estimate_vs_me
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
 from gguf_files import real
 
+from posttrain.core import cost
 from posttrain.estimate import batch, command, speed
 from posttrain.estimate.estimator import composed_config, estimate
 
@@ -66,6 +68,53 @@ def test_the_activations_are_those_the_training_forward_saves_for_its_backward(t
                           response_ids, torch.ones(rows, response_tokens), with_entropy=True, entropy_grad=False)
     predicted = result.memory["update"]["activations"] + result.memory["update"]["fused weight copies"]
     assert predicted == pytest.approx(sum(saved.values()), rel=0.1)
+
+
+def test_selective_checkpointing_activations_are_what_the_forward_leaves_held(tmp_path):
+    """model.gradient_checkpointing=selective: the update's activations against the bytes that
+    the real grouped forward of the embedded model leaves alive for its backward (every op's
+    output still referenced once the forward returns: autograd's saved tensors and the
+    checkpoint's kept matmul outputs; each storage once, parameters aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from posttrain.distributed.recompute import enable_activation_checkpointing
+    from posttrain.models.forward import sequence_logprobs
+    from posttrain.models.tiny import build_tiny_model
+
+    prompts, group, prompt_tokens, response_tokens = 2, 8, 8, 48
+    result = estimated([*GRPO, f"algorithm.prompts_per_step={prompts}", f"algorithm.group_size={group}",
+                        "model.gradient_checkpointing=selective"], tmp_path,
+                       prompt_tokens=prompt_tokens, response_tokens=response_tokens)
+    assert result.checkpointing == "selective"
+    model = build_tiny_model(vocab_size=result.shape["vocab"])
+    enable_activation_checkpointing(model, "selective")
+    rows = prompts * group
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, result.shape["vocab"], (prompts, prompt_tokens), generator=generator)
+    response_ids = torch.randint(3, result.shape["vocab"], (rows, response_tokens), generator=generator)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    outputs = []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outputs.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    with Outputs():
+        logp = sequence_logprobs(model, prompt_ids.repeat_interleave(group, 0), torch.ones(rows, prompt_tokens),
+                                 response_ids, torch.ones(rows, response_tokens))
+    alive = [t for t in (ref() for ref in outputs) if t is not None and t is not logp]
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
+    held = sum(n for ptr, n in held.items() if ptr not in parameters)
+    kept = result.activations
+    assert kept["with checkpointing"] < kept["with selective checkpointing"] < kept["without checkpointing"]
+    # the forward leaves every layer's kept tensors; the backward adds one layer's full activations
+    # while it recomputes that layer, which the estimate counts too
+    shape = cost.DecoderShape(**result.shape)
+    recomputed_layer = cost.layer_activation_bytes(shape, prompts, prompt_tokens, rows, response_tokens, 4)
+    assert result.memory["update"]["activations"] - recomputed_layer == pytest.approx(held, rel=0.15)
 
 
 def test_doubling_the_batch_doubles_activations_and_kv_cache_and_leaves_the_weights(tmp_path):

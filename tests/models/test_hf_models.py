@@ -185,12 +185,15 @@ def recomputes(model: nn.Module) -> bool:
     return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(tiny_hf_model):
+@pytest.mark.parametrize("mode", ["true", "selective"])
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_hf_model, mode):
     directory = tiny_hf_model("qwen2")
     _, plain = load_tokenizer_and_model(model_cfg(directory), alphabet="")
-    tokenizer, checkpointed = load_tokenizer_and_model(model_cfg(directory, "model.gradient_checkpointing=true"),
+    tokenizer, checkpointed = load_tokenizer_and_model(model_cfg(directory, f"model.gradient_checkpointing={mode}"),
                                                        alphabet="")
     assert recomputes(checkpointed) and not recomputes(plain)
+    layer = next(m for m in checkpointed.modules() if getattr(m, "gradient_checkpointing", False) is True)
+    assert ("context_fn" in layer._gradient_checkpointing_func.keywords) == (mode == "selective")
     ids = tokenizer(["What is 12+30? The answer is 42.", "Natalia sold clips to 48 of her friends."],
                     padding="max_length", truncation=True, max_length=16, return_tensors="pt")["input_ids"]
     expected, got = gradients(plain, ids), gradients(checkpointed, ids)

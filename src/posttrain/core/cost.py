@@ -116,6 +116,15 @@ def checkpointed_layer_bytes(shape: DecoderShape, unique_prompts: int, prompt_to
     return (unique_prompts * prompt_tokens + rows * response_tokens) * shape.hidden * dtype_bytes
 
 
+def selective_layer_bytes(shape: DecoderShape, unique_prompts: int, prompt_tokens: int, rows: int,
+                          response_tokens: int, dtype_bytes: int) -> int:
+    """Bytes one selectively checkpointed layer keeps (distributed/recompute.py): per token its
+    input (H), the fused q/k/v output (q + 2 kv), the attention's output (q), the output and
+    down projections' outputs (2 H) and the gate/up output (2 I)."""
+    per_token = 3 * shape.hidden + 2 * shape.query_width + 2 * shape.kv_width + 2 * shape.intermediate
+    return (unique_prompts * prompt_tokens + rows * response_tokens) * per_token * dtype_bytes
+
+
 def logit_chunk_bytes(vocab: int, scored_tokens: int, chunk_tokens: int, buffers: int = LOGIT_BUFFERS) -> int:
     """fp32 logits of the LM head applied chunk by chunk: `buffers` [chunk, V] tensors at once,
     a chunk being at most `chunk_tokens` positions."""
@@ -138,10 +147,11 @@ def causal_pairs(tokens: int) -> int:
     return tokens * (tokens + 1) // 2
 
 
-def training_flops(forward: int, checkpointed: bool) -> int:
+def training_flops(forward: int, checkpointed: bool | str) -> int:
     """Forward and backward: the backward costs two forwards (gradients of the inputs and of
-    the weights); checkpointing runs the forward once more."""
-    return (4 if checkpointed else 3) * forward
+    the weights); full checkpointing (True) runs the forward once more, "selective" only its
+    elementwise ops (no matmul FLOPs)."""
+    return (4 if checkpointed is True else 3) * forward
 
 
 def generation_flops(shape: DecoderShape, unique_prompts: int, prompt_tokens: int, rows: int, new_tokens: int) -> int:

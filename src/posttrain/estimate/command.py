@@ -39,7 +39,8 @@ def render(result: Estimate) -> None:
         roles.add_row(r["role"], r["model"], f"{r['parameters']:,}", f"{r['bytes_per_parameter']:g}",
                       "yes" if r["trainable"] else "no")
     console.print(roles)
-    memory = Table(title=f"memory per device by stage (activation checkpointing {'on' if result.checkpointing else 'off'})")
+    mode = {False: "off", True: "on"}.get(result.checkpointing, result.checkpointing)
+    memory = Table(title=f"memory per device by stage (activation checkpointing {mode})")
     memory.add_column("term")
     stages = list(result.memory)
     for stage in stages:
@@ -51,7 +52,8 @@ def render(result: Estimate) -> None:
     console.print(memory)
     console.print(f"peak: [bold]{size(result.peak['peak'])}[/bold]; the update's activations "
                   f"{size(result.activations['without checkpointing'])} without checkpointing, "
-                  f"{size(result.activations['with checkpointing'])} with")
+                  f"{size(result.activations['with checkpointing'])} with, "
+                  f"{size(result.activations['with selective checkpointing'])} with selective")
     timing = Table(title="FLOPs per rollout batch and lower bounds on seconds (spec peaks for GPUs)")
     timing.add_column("stage")
     timing.add_column("FLOPs", justify="right")

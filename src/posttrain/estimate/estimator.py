@@ -39,8 +39,8 @@ class Estimate:
     roles: list[dict]
     memory: dict[str, dict[str, float]]      # stage -> term -> bytes
     peak: dict[str, float]                    # stage -> bytes; "peak": the largest
-    activations: dict[str, float]             # the update's, with and without checkpointing
-    checkpointing: bool
+    activations: dict[str, float]             # the update's, without, with and with selective checkpointing
+    checkpointing: bool | str                 # model.gradient_checkpointing (or the fsdp strategy's)
     flops: dict[str, float]                   # stage -> FLOPs per rollout batch
     seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> stage -> s
     notes: list[str] = field(default_factory=list)

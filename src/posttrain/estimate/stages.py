@@ -26,17 +26,19 @@ def sampler_dtype_bytes(cfg) -> int:
     return DTYPE_BYTES[cfg.model.dtype] if dtype in (None, "auto") else DTYPE_BYTES[dtype]
 
 
-def checkpointing_on(cfg) -> bool:
+def checkpointing_mode(cfg) -> bool | str:
+    """False, True (every layer recomputed) or "selective" (model.gradient_checkpointing)."""
     strategy = cfg.trainer.get("strategy")
     sharded = hasattr(strategy, "get") and bool(strategy.get("activation_checkpointing", False))
-    return bool(cfg.model.get("gradient_checkpointing", False)) or sharded
+    return cfg.model.get("gradient_checkpointing", False) or sharded
 
 
 def update_activations(shape: DecoderShape, batch: Batch, act_bytes: int, weight_bytes: float,
-                       checkpointed: bool) -> dict[str, float]:
+                       checkpointed: bool | str) -> dict[str, float]:
     """What the update's micro-batch holds for its backward: per layer its activations and its
-    fused weight copies (both only for the one layer being recomputed when checkpointed), the
-    final hidden states, and the attention masks shared by every layer."""
+    fused weight copies (both only for the one layer being recomputed when checkpointed, beside
+    what each layer keeps: its input, or with "selective" its matmuls' outputs too), the final
+    hidden states, and the attention masks shared by every layer."""
     args = (shape, batch.micro_prompts, batch.prompt_tokens, batch.micro_rows, batch.response_tokens, act_bytes)
     full_layer = cost.layer_activation_bytes(*args)
     fused_layer = cost.FUSED_COPIES_WITH_GRAD * cost.fused_layer_parameters(shape) * weight_bytes
@@ -44,7 +46,8 @@ def update_activations(shape: DecoderShape, batch: Batch, act_bytes: int, weight
     head = 2 * scored * shape.hidden * act_bytes  # the last layer's output and its final-normed copy
     masks = mask_bytes(batch, act_bytes)
     if checkpointed:
-        kept = shape.layers * cost.checkpointed_layer_bytes(*args) + full_layer
+        per_layer = cost.selective_layer_bytes if checkpointed == "selective" else cost.checkpointed_layer_bytes
+        kept = shape.layers * per_layer(*args) + full_layer
         fused = fused_layer
     else:
         kept = shape.layers * full_layer
@@ -68,8 +71,8 @@ def logit_chunk_tokens(vocab: int) -> int:
 
 def memory_by_stage(cfg, roles: list[Role], shape: DecoderShape, batch: Batch,
                     scores: bool) -> tuple[dict, dict, bool]:
-    """(stage -> term -> bytes, the update's activations with and without checkpointing, whether
-    checkpointing is on) on one device. `scores`: whether the annotate stage runs a forward
+    """(stage -> term -> bytes, the update's activations without, with and with selective
+    checkpointing, the checkpointing mode) on one device. `scores`: whether the annotate stage runs a forward
     (reference, old, teacher log-probs; critic values)."""
     layout = layout_of(cfg)
     policy = roles[0]
@@ -87,9 +90,9 @@ def memory_by_stage(cfg, roles: list[Role], shape: DecoderShape, batch: Batch,
     scored = batch.micro_rows * batch.response_tokens
     logits = cost.logit_chunk_bytes(shape.vocab, scored, chunk)
     head_gradient = shape.vocab * shape.hidden * weight_bytes  # one chunk's LM-head gradient, before it is added
-    checkpointed = checkpointing_on(cfg)
-    both = {on: update_activations(shape, batch, act_bytes, weight_bytes, on) for on in (False, True)}
-    kept = both[checkpointed]
+    checkpointed = checkpointing_mode(cfg)
+    each = {mode: update_activations(shape, batch, act_bytes, weight_bytes, mode) for mode in (False, True, "selective")}
+    kept = each[checkpointed]
     critic = next((r for r in roles if r.role == "critic" and r.trainable and r.shape is not None), None)
     if critic is not None:  # PPO's critic with its own backbone: its forward's activations too
         critic_kept = update_activations(critic.shape, batch, act_bytes, weight_bytes, checkpointed)
@@ -133,7 +136,8 @@ def memory_by_stage(cfg, roles: list[Role], shape: DecoderShape, batch: Batch,
         del stages["annotate"]
     if cfg.algorithm.get("kind") != "online":
         stages = {"update": stages["update"], "evaluate": evaluate}
-    activations = {"without checkpointing": both[False]["activations"], "with checkpointing": both[True]["activations"]}
+    activations = {"without checkpointing": each[False]["activations"], "with checkpointing": each[True]["activations"],
+                   "with selective checkpointing": each["selective"]["activations"]}
     return stages, activations, checkpointed
 
 
@@ -159,11 +163,11 @@ def flops_by_stage(cfg, roles: list[Role], shape: DecoderShape, batch: Batch) ->
     epochs = int(algorithm.get("ppo_epochs", 1) or 1)
     prompts_computed = batch.rows * batch.micro_prompts // batch.micro_rows  # once per group within a micro-batch
     policy_forward = cost.forward_flops(shape, prompts_computed, batch.prompt_tokens, batch.rows, batch.response_tokens)
-    flops["update"] = epochs * cost.training_flops(policy_forward, checkpointing_on(cfg))
+    flops["update"] = epochs * cost.training_flops(policy_forward, checkpointing_mode(cfg))
     critic = next((r for r in roles if r.role == "critic" and r.shape is not None), None)
     if critic is not None:
         critic_forward = cost.forward_flops(critic.shape, *whole[1:])
-        flops["critic"] = critic_forward + epochs * cost.training_flops(critic_forward, checkpointing_on(cfg))
+        flops["critic"] = critic_forward + epochs * cost.training_flops(critic_forward, checkpointing_mode(cfg))
     return flops
 
 
