@@ -13,6 +13,8 @@ length), log-probs of the response tokens (and the entropy, without gradient, as
            one shared mask, hidden states, the LM head chunk by chunk inside the checkpoint.
 * ``new+ckpt`` (only when asked for) ``new`` with the model's activation checkpointing on: each
            layer's step recomputed in the backward (`model.gradient_checkpointing=true`).
+* ``new+selective`` (only when asked for) ``new`` with selective checkpointing: each layer's
+           matmul and attention outputs kept, the rest recomputed (`=selective`).
 * ``hf``   the Hugging Face forward (SDPA attention, its own mask from the [B, L] padding mask)
            with ``logits_to_keep``, then TRL's ``selective_log_softmax`` over the full logits
            and its ``entropy_from_logits`` under no_grad (what TRL's GRPO trainer does).
@@ -47,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (64, 128, 256, 512, 1024)
 METHODS = ("old", "new", "hf")  # the table's columns
-EXTRA_METHODS = ("new+ckpt",)  # measured when --methods names them, shown in a table of their own
+EXTRA_METHODS = ("new+ckpt", "new+selective")  # measured when --methods names them, shown in a table of their own
 PROMPTS, GROUP, PROMPT_LEN = 2, 8, 64
 
 
@@ -91,20 +93,20 @@ def load_old_grouped_forward(rev: str = "HEAD"):
     return module
 
 
-def measure_one(method: str, length: int, layers: int, repeats: int, old_rev: str) -> dict:
+def measure_one(method: str, length: int, layers: int, repeats: int, old_rev: str, bf16: bool = False) -> dict:
     """One configuration, in this process (run it in a fresh one)."""
     import torch
     import transformers
 
     from posttrain import core
-    from posttrain.distributed.sharding import enable_activation_checkpointing
+    from posttrain.distributed.recompute import enable_activation_checkpointing
     from posttrain.models.forward import sequence_logprobs
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(smollm2_config(layers)).train()
     assert model.config._attn_implementation == "sdpa"
-    if method == "new+ckpt":
-        enable_activation_checkpointing(model)
+    if method in ("new+ckpt", "new+selective"):
+        enable_activation_checkpointing(model, "selective" if method == "new+selective" else True)
     for p in model.parameters():  # gradient buffers are part of the baseline
         p.grad = torch.zeros_like(p)
     batch = PROMPTS * GROUP
@@ -120,7 +122,7 @@ def measure_one(method: str, length: int, layers: int, repeats: int, old_rev: st
         from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     def step():
-        if method in ("new", "new+ckpt"):
+        if method.startswith("new"):
             logp, _ = sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,
                                         with_entropy=True, entropy_grad=False)
         elif method == "old":
@@ -146,19 +148,20 @@ def measure_one(method: str, length: int, layers: int, repeats: int, old_rev: st
         base_kb = _status_kb("VmRSS")
         reset = _reset_peak()
         started = time.perf_counter()
-        step()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):  # --bf16: bf16-mixed, as Lightning runs it
+            step()
         seconds.append(time.perf_counter() - started)
         if index == 0:
             peak_mb = (_status_kb("VmHWM") - base_kb) / 1024  # without the reset: the process's whole peak
     return {"method": method, "length": length, "layers": layers, "peak_mb": peak_mb, "seconds": min(seconds),
-            "threads": torch.get_num_threads(), "peak_reset": reset}
+            "threads": torch.get_num_threads(), "peak_reset": reset, "bf16": bf16}
 
 
-def run_one(method: str, length: int, layers: int, repeats: int, old_rev: str) -> dict:
+def run_one(method: str, length: int, layers: int, repeats: int, old_rev: str, bf16: bool = False) -> dict:
     """One configuration in a fresh subprocess; a run the kernel kills (out of memory) is a row
     with ``oom`` set and no numbers."""
     cmd = [sys.executable, __file__, "--one", method, str(length), "--layers", str(layers),
-           "--repeats", str(repeats if length <= 256 else 1), "--old-rev", old_rev]
+           "--repeats", str(repeats if length <= 256 else 1), "--old-rev", old_rev] + (["--bf16"] if bf16 else [])
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode == -9:  # SIGKILL: the OOM killer
@@ -168,7 +171,8 @@ def run_one(method: str, length: int, layers: int, repeats: int, old_rev: str) -
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_all(lengths, methods, layers, repeats, old_rev, store: Path | None = None, resume: bool = False) -> list[dict]:
+def run_all(lengths, methods, layers, repeats, old_rev, store: Path | None = None, resume: bool = False,
+            bf16: bool = False) -> list[dict]:
     """Every (length, method), each row appended to ``store`` (JSON) as it is measured; with
     ``resume`` the rows already there (same layers) are kept, not measured again."""
     rows = json.loads(store.read_text()) if resume and store is not None and store.exists() else []
@@ -177,9 +181,9 @@ def run_all(lengths, methods, layers, repeats, old_rev, store: Path | None = Non
         for method in methods:
             if (method, length, layers) in have:
                 continue
-            row = run_one(method, length, layers, repeats, old_rev)
+            row = run_one(method, length, layers, repeats, old_rev, bf16)
             shown = "out of memory" if row.get("oom") else f"{row['peak_mb']:8.0f} MB  {row['seconds']:7.2f} s"
-            print(f"  {method:>8} T={length:5d}: {shown}", flush=True)
+            print(f"  {method:>13} T={length:5d}: {shown}", flush=True)
             rows.append(row)
             if store is not None:
                 store.parent.mkdir(parents=True, exist_ok=True)
@@ -251,16 +255,17 @@ def main(argv=None):
     parser.add_argument("--old-rev", default="HEAD", help="git revision of the old grouped forward")
     parser.add_argument("--out", type=Path, help="write the markdown results here (and the rows to <out>.json)")
     parser.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json")
+    parser.add_argument("--bf16", action="store_true", help="the step under CPU bf16 autocast (default fp32)")
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.layers, args.repeats, args.old_rev)))
+        print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.layers, args.repeats, args.old_rev, args.bf16)))
         return None
     started = time.perf_counter()
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     print(f"SmolLM2-135M architecture, {args.layers} layers, {PROMPTS}x{GROUP} responses, prompt {PROMPT_LEN} "
-          f"tokens, fp32, OMP_NUM_THREADS={threads}", flush=True)
+          f"tokens, {'bf16-mixed' if args.bf16 else 'fp32'}, OMP_NUM_THREADS={threads}", flush=True)
     store = args.out.with_suffix(".json") if args.out else None
-    rows = run_all(args.lengths, args.methods, args.layers, args.repeats, args.old_rev, store, args.resume)
+    rows = run_all(args.lengths, args.methods, args.layers, args.repeats, args.old_rev, store, args.resume, args.bf16)
     full = set(METHODS) <= set(args.methods)
     text = table(rows, args.lengths) if full else json.dumps(rows, indent=1)
     if full and set(args.methods) - set(METHODS):
