@@ -39,6 +39,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     from posttrain.data.sources import build_source
     from posttrain.distributed.sharding import consolidated_model
     from posttrain.estimate.memory import check_memory_fits
+    from posttrain.estimate.stages import checkpointing_mode
     from posttrain.files import write_json_atomic
     from posttrain.models.loading import load_tokenizer_and_model
     from posttrain.models.lora import export_model
@@ -71,7 +72,7 @@ def run(cfg: DictConfig, announce: bool = True) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if cfg.trainer.accelerator == "cpu":  # host memory is the training memory only on CPU
-        return_freed_memory(threshold_kib(cfg.host_mmap_threshold_kib))
+        return_freed_memory(threshold_kib(cfg.host_mmap_threshold_kib, checkpointed=bool(checkpointing_mode(cfg))))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # --- prepare: what is made once before training and cached ---------------------------------

@@ -21,6 +21,7 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 import posttrain.models.grouped_forward as grouped
+from posttrain.distributed.recompute import enable_activation_checkpointing
 from posttrain.distributed.sharding import ShardingPolicy, shard_lm
 from posttrain.models.forward import sequence_logits, sequence_logprobs
 from posttrain.models.grouped_forward import grouped_forward_unsupported_reason
@@ -28,7 +29,7 @@ from posttrain.models.grouped_forward import grouped_forward_unsupported_reason
 from conftest import free_port, run_ranks
 
 WORLD = 2
-VARIANTS = ("grouped", "grouped_checkpointed", "model_forward")
+VARIANTS = ("grouped", "grouped_checkpointed", "grouped_selective", "model_forward")
 GROUP = 2
 
 
@@ -105,6 +106,8 @@ def worker(rank, port, out_dir):
         for variant in VARIANTS:
             seen["forwards"].clear(), seen["steps"].clear()
             policy, reference = small_model(variant), small_model(variant).requires_grad_(False).eval()
+            if variant == "grouped_selective":  # model.gradient_checkpointing=selective, set when the model loads
+                enable_activation_checkpointing(policy, "selective")
             shard_lm(policy, mesh, ShardingPolicy(activation_checkpointing=variant.endswith("checkpointed")),
                      trainable=True)
             shard_lm(reference, mesh, ShardingPolicy(), trainable=False)
@@ -184,7 +187,7 @@ def test_the_grouped_forward_runs_on_sharded_weights_one_layer_gathered_at_a_tim
             assert "qwen3" in result["refused"] and result["forwards"] == [] and result["steps"] == []
             continue
         assert result["refused"] is None
-        checkpointed = variant == "grouped_checkpointed"
+        checkpointed = variant in ("grouped_checkpointed", "grouped_selective")
         # the policy's (with grad), then the reference's (no grad: never checkpointed); prompts shared
         assert result["forwards"] == [(GROUP, checkpointed), (GROUP, False)]
         forward = [(0, True, True), (1, True, True)]  # each layer gathered for its own step only

@@ -56,17 +56,23 @@ def test_a_cpu_run_sets_the_threshold_it_is_given_before_anything_loads(make_con
     for threshold in ("256", "null"):
         with pytest.raises(RuntimeError, match="stopped after the set-up"):
             run(make_config(f"host_mmap_threshold_kib={threshold}"))
-    assert given == [256, None]
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    for checkpointing in ("true", "selective", "false"):  # auto: returned at once only for a checkpointed policy
+        with pytest.raises(RuntimeError, match="stopped after the set-up"):
+            run(make_config("host_mmap_threshold_kib=auto", f"model.gradient_checkpointing={checkpointing}"))
+    assert given == [256, None, 2048, 2048, None]
 
 
-def test_auto_returns_freed_memory_only_where_torch_has_huge_pages(monkeypatch):
+def test_auto_returns_freed_memory_only_for_a_checkpointed_policy_where_torch_has_huge_pages(monkeypatch):
     from posttrain.run.host_memory import AUTO_THRESHOLD_KIB, threshold_kib
 
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
-    assert threshold_kib("auto") == AUTO_THRESHOLD_KIB == 2048  # where PyTorch's huge pages start
+    assert threshold_kib("auto", checkpointed=True) == AUTO_THRESHOLD_KIB == 2048  # where PyTorch's huge pages start
+    assert threshold_kib("auto", checkpointed=False) is None  # a step reuses what it freed
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")  # the page faults would cost ~12% of the time
-    assert threshold_kib("auto") is None
-    assert threshold_kib(256) == 256 and threshold_kib(None) is None  # explicit settings are kept
+    assert threshold_kib("auto", checkpointed=True) is None
+    for checkpointed in (True, False):  # explicit settings are kept
+        assert threshold_kib(256, checkpointed) == 256 and threshold_kib(None, checkpointed) is None
 
 
 HUGE_PAGES = """
@@ -75,7 +81,7 @@ if sys.argv[1] == "torch first":
     import torch
 import posttrain
 from posttrain.run.host_memory import threshold_kib
-print(threshold_kib("auto"), os.environ.get("THP_MEM_ALLOC_ENABLE"))
+print(threshold_kib("auto", checkpointed=True), os.environ.get("THP_MEM_ALLOC_ENABLE"))
 """
 
 

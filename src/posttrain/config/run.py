@@ -25,7 +25,8 @@ TOP_LEVEL_SPECS: dict[str, Spec] = {
     "num_threads": optional(integer(1)).about("torch threads on CPU; null: torch's default"),
     "host_mmap_threshold_kib": optional(either(integer(4), choice("auto"), expected="an integer >= 4 or 'auto'")).about(
         "CPU runs: allocations of at least this many KiB are returned to the system when freed; auto: 2048 where "
-        "PyTorch's allocator has transparent huge pages, else glibc's default; null: glibc's default"),
+        "the policy is checkpointed and PyTorch's allocator has transparent huge pages, else glibc's default; "
+        "null: glibc's default"),
     "ckpt_path": optional(text()).about("a Lightning checkpoint, 'last', or 'auto' (the run dir's newest intact "
                                          "checkpoint, if any)"),
     "task_name": either(text(), integer(), expected="a non-empty name").about("names the run directory"),

@@ -6,10 +6,12 @@ what it computes again (`model.gradient_checkpointing`).
   one more forward of matmuls).
 - ``"selective"``: each layer keeps its input and the outputs of its matmuls and of its
   attention kernel; the backward recomputes only the cheap ops between them (norms, RoPE, the
-  SiLU product, dtype casts, the grouped forward's layout copies). Nearly the speed of no
-  checkpointing (no matmul runs twice), with a fraction of its memory: on SmolLM2 a layer's
-  saved elements per token go from its input (576) to about 5,800, against about 13,000
-  without checkpointing (`core/cost.py:selective_layer_elements_per_token`).
+  SiLU product, dtype casts, the grouped forward's layout copies), so no matmul runs twice. On
+  SmolLM2 a layer keeps about 6,300 elements per token (`core/cost.py:selective_layer_bytes`)
+  against its input's 576 with ``true`` and about 11,900 without checkpointing. Whether that
+  is faster than ``true`` depends on the device: on a 2-core CPU, where writing the kept outputs
+  to fresh memory costs more than the matmuls saved, it is 13% slower (docs/results.md,
+  "Selective checkpointing").
 
 The same choice reaches both training forwards: Hugging Face's own layers take the
 checkpoint function given to `activation_checkpointing_enable`, and the grouped forward
@@ -17,8 +19,8 @@ checkpoint function given to `activation_checkpointing_enable`, and the grouped 
 non-reentrant checkpointing, the kind that composes with FSDP2's hooks, and the
 recomputation stops as soon as the last kept tensor the backward needs is back (PyTorch's
 early stop: a layer's last matmul, whose output only feeds the residual, is not recomputed).
-The recomputed ops are the forward's own, so losses and gradients equal the unchecked ones
-(tested, fp32, bit for bit).
+The recomputed ops are the forward's own, so the log-probs are bitwise the unchecked ones and
+the gradients equal them to float rounding (tested, fp32).
 """
 from __future__ import annotations
 

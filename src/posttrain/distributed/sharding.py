@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from posttrain.distributed.recompute import enable_activation_checkpointing
+from posttrain.distributed.recompute import checkpointing_on, enable_activation_checkpointing
 from posttrain.errors import CheckpointError, ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -234,7 +234,7 @@ def shard_lm(lm: nn.Module, mesh, policy: ShardingPolicy, trainable: bool, root:
         # fp32 master weights: the optimiser steps on these, whatever the compute dtype
         lm.posttrain_export_dtype = next(lm.parameters()).dtype
         root.float()
-        if policy.activation_checkpointing:
+        if policy.activation_checkpointing and not checkpointing_on(lm):  # model.gradient_checkpointing's mode wins
             enable_activation_checkpointing(lm)
     mixed_precision = policy.mixed_precision()
     for unit in decoder_blocks(lm) + [root]:

@@ -20,8 +20,21 @@ KiB threshold costs 35-50% of the time (115-127 ms against 85 ms by default), 20
 (81 ms). 8 of SmolLM2's layers, 16 rows x 512 tokens, checkpointed, one thread, fresh processes:
 huge pages alone 1389-1508 MB above the start at 48-51 s a step; with the threshold at 2048 KiB
 836 MB at 51-53 s; at 128 KiB 819 MB (glibc's default without huge pages: 1584 MB). Hence the
-default, ``auto``: 2048 where PyTorch's allocator has huge pages, glibc's default where it has
-not (the time cost would be back)."""
+default was 2048 where PyTorch's allocator has huge pages, glibc's default where it has not
+(the time cost would be back).
+
+That time cost is not gone everywhere. On the 2-core Firecracker VMs of 2026-12-02, memory the
+process writes for the first time gets slower to write as the process grows, huge pages or not
+(`benchmarks/first_touch.py`: 1.8-5 GB/s for the first 160 MB of fresh 16 MB buffers, 0.3-0.4
+GB/s past 3 GB, against 7.5 GB/s to rewrite them), and a training forward without checkpointing
+writes every activation it saves into such memory at each step: on SmolLM2's bf16 GRPO step at
+128 tokens (16 rows, one thread) its forward took 8.1 s with the threshold and 4.7 s without,
+the step 28-32 s against 26 s, for a peak of 5693 against 6075 MB. So ``auto`` is now 2048 only
+where the run also checkpoints its policy (`model.gradient_checkpointing`, or the FSDP
+strategy's): there memory is what the run has chosen to save, few activations are kept, and
+without the threshold the checkpointed update's peak at 512 tokens doubled (3357 MB, 1.64x the
+floor, against 4537 MB, 2.21x). Without checkpointing the process keeps what it frees, and a step
+reuses it."""
 
 from __future__ import annotations
 
@@ -37,13 +50,14 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 AUTO_THRESHOLD_KIB = 2048  # PyTorch asks for huge pages from 2 MiB (c10 alloc_cpu)
 
 
-def threshold_kib(setting: int | str | None) -> int | None:
+def threshold_kib(setting: int | str | None, checkpointed: bool) -> int | None:
     """The threshold ``host_mmap_threshold_kib`` asks for: ``auto`` is `AUTO_THRESHOLD_KIB` where
-    PyTorch's allocator has huge pages (``THP_MEM_ALLOC_ENABLE=1``, set by `posttrain/__init__.py`
-    before torch loaded, or by the user), else None."""
+    the run checkpoints its policy (`checkpointed`) and PyTorch's allocator has huge pages
+    (``THP_MEM_ALLOC_ENABLE=1``, set by `posttrain/__init__.py` before torch loaded, or by the
+    user), else None (the module docstring says why)."""
     if setting != "auto":
         return setting
-    return AUTO_THRESHOLD_KIB if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else None
+    return AUTO_THRESHOLD_KIB if checkpointed and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else None
 
 
 def return_freed_memory(threshold_kib: int | None) -> bool:
