@@ -7,11 +7,11 @@ Its memory and time predictions against measured runs: benchmarks/estimate_vs_me
 from __future__ import annotations
 
 import json
-import weakref
 
 import pytest
 import torch
 from gguf_files import real
+from held_tensors import OpOutputs
 
 from posttrain.core import cost
 from posttrain.estimate import batch, command, speed
@@ -75,9 +75,6 @@ def test_selective_checkpointing_activations_are_what_the_forward_leaves_held(tm
     the real grouped forward of the embedded model leaves alive for its backward (every op's
     output still referenced once the forward returns: autograd's saved tensors and the
     checkpoint's kept matmul outputs; each storage once, parameters aside)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
     from posttrain.distributed.recompute import enable_activation_checkpointing
     from posttrain.models.forward import sequence_logprobs
     from posttrain.models.tiny import build_tiny_model
@@ -94,20 +91,10 @@ def test_selective_checkpointing_activations_are_what_the_forward_leaves_held(tm
     prompt_ids = torch.randint(3, result.shape["vocab"], (prompts, prompt_tokens), generator=generator)
     response_ids = torch.randint(3, result.shape["vocab"], (rows, response_tokens), generator=generator)
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    outputs = []
-
-    class Outputs(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outputs.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-            return out
-
-    with Outputs():
+    with OpOutputs() as outputs:
         logp = sequence_logprobs(model, prompt_ids.repeat_interleave(group, 0), torch.ones(rows, prompt_tokens),
                                  response_ids, torch.ones(rows, response_tokens))
-    alive = [t for t in (ref() for ref in outputs) if t is not None and t is not logp]
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
-    held = sum(n for ptr, n in held.items() if ptr not in parameters)
+    held = outputs.held_bytes(skip=(logp,), excluded_storages=parameters)
     kept = result.activations
     assert kept["with checkpointing"] < kept["with selective checkpointing"] < kept["without checkpointing"]
     # the forward leaves every layer's kept tensors; the backward adds one layer's full activations

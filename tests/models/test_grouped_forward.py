@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import copy
 import math
-import weakref
 
 import pytest
 import torch
 import transformers
+from held_tensors import OpOutputs
 
 from posttrain.models.forward import sequence_logits
 from posttrain.models.grouped_forward import grouped_forward_unsupported_reason, grouped_logits
@@ -417,24 +417,6 @@ def test_checkpointing_keeps_only_each_layers_inputs_and_gives_the_same_gradient
     assert checkpointed["saved_bytes"] < plain["saved_bytes"] / 5
 
 
-class _OpsAndHeldBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the matmuls run and remembers every op's output, to sum what is still held later."""
-
-    def __init__(self):
-        super().__init__()
-        self.matmuls, self.outputs = 0, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-        self.outputs += [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return out
-
-    def held_bytes(self) -> int:
-        alive = (ref() for ref in self.outputs)
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive if t is not None}.values())
-
-
 @pytest.mark.parametrize("path", ["grouped", "model_forward"])
 def test_selective_checkpointing_keeps_the_matmul_outputs_and_runs_no_matmul_twice(monkeypatch, path):
     """model.gradient_checkpointing=selective, on both training forwards: the log-probs and
@@ -453,7 +435,7 @@ def test_selective_checkpointing_keeps_the_matmul_outputs_and_runs_no_matmul_twi
         scored = copy.deepcopy(model)
         if mode:
             enable_activation_checkpointing(scored, mode)
-        with _OpsAndHeldBytes() as ops:
+        with OpOutputs() as ops:
             logp, entropy = sequence_logprobs(scored, *batch, with_entropy=True)
             held = ops.held_bytes()
             forward_matmuls = ops.matmuls

@@ -7,6 +7,7 @@ from __future__ import annotations
 from posttrain.core import cost
 from posttrain.core.cost import DecoderShape
 from posttrain.core.logprobs import HIDDEN_CHUNK_ELEMENTS
+from posttrain.distributed.recompute import MODES as CHECKPOINTING_MODES
 from posttrain.estimate.architecture import Role
 from posttrain.estimate.batch import Batch
 from posttrain.estimate.memory import DTYPE_BYTES, layout_of
@@ -91,7 +92,7 @@ def memory_by_stage(cfg, roles: list[Role], shape: DecoderShape, batch: Batch,
     logits = cost.logit_chunk_bytes(shape.vocab, scored, chunk)
     head_gradient = shape.vocab * shape.hidden * weight_bytes  # one chunk's LM-head gradient, before it is added
     checkpointed = checkpointing_mode(cfg)
-    each = {mode: update_activations(shape, batch, act_bytes, weight_bytes, mode) for mode in (False, True, "selective")}
+    each = {mode: update_activations(shape, batch, act_bytes, weight_bytes, mode) for mode in CHECKPOINTING_MODES}
     kept = each[checkpointed]
     critic = next((r for r in roles if r.role == "critic" and r.trainable and r.shape is not None), None)
     if critic is not None:  # PPO's critic with its own backbone: its forward's activations too
