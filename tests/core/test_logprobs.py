@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from posttrain.core import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
+from posttrain.core import head_logprobs
 from posttrain.core.logprobs import token_logprobs_and_entropy_from_hidden
 
 
@@ -292,9 +293,12 @@ def _hidden_grads(fn, hidden, weight, bias, weights):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
 @pytest.mark.parametrize("chunk_tokens", [1, 5, None])
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.7}, {"support": True}])
-def test_from_hidden_equals_the_logits_path_with_grads(dtype, tol, chunk_tokens, options):
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_from_hidden_equals_the_logits_path_with_grads(dtype, tol, chunk_tokens, options, entropy_grad):
     """The same numbers and the same gradients (into hidden, weight and bias) as
-    `token_logprobs_and_entropy` of the full logits F.linear(hidden, weight, bias)."""
+    `token_logprobs_and_entropy` of the full logits F.linear(hidden, weight, bias), on both
+    paths: autograd's checkpointed chunks (a weighted entropy, the sampler's support) and the
+    written-out backward of `core.head_logprobs` (an entropy for logging)."""
     torch.manual_seed(9)
     vocab, width = 30, 8
     hidden = torch.randn(3, 7, width, dtype=torch.float64).to(dtype)
@@ -307,6 +311,9 @@ def test_from_hidden_equals_the_logits_path_with_grads(dtype, tol, chunk_tokens,
         kwargs["support_size"] = torch.randint(0, vocab + 1, (3, 7), dtype=torch.int32)
     weights = torch.randn(2, 3, 7, dtype=torch.float64).to(torch.float32 if dtype != torch.float64 else dtype)
 
+    if not entropy_grad:
+        weights[1] = 0
+        kwargs["entropy_grad"] = False
     ours = _hidden_grads(lambda h, w, b: token_logprobs_and_entropy_from_hidden(
         h, w, labels, bias=b, with_entropy=True, chunk_tokens=chunk_tokens, **kwargs), hidden, weight, bias, weights)
     ref = _hidden_grads(lambda h, w, b: token_logprobs_and_entropy(
@@ -360,9 +367,15 @@ def test_from_hidden_default_chunk_follows_the_vocabulary(monkeypatch):
     seen = []
     real = logprobs._score_hidden_chunk
     monkeypatch.setattr(logprobs, "_score_hidden_chunk", lambda h, *a, **k: seen.append(len(h)) or real(h, *a, **k))
-    token_logprobs_and_entropy_from_hidden(torch.randn(2, 9, 4), torch.randn(10, 4),
-                                           torch.zeros(2, 9, dtype=torch.long), with_entropy=False)
-    assert seen == [4, 4, 4, 4, 2]  # 40 logits per chunk at V = 10
+    real_fused = head_logprobs._Buffers.scaled_logits
+    monkeypatch.setattr(head_logprobs._Buffers, "scaled_logits",
+                        lambda self, h, *a: seen.append(len(h)) or real_fused(self, h, *a))
+    for entropy_grad in (False, True):  # the written-out backward, then autograd's checkpointed chunks
+        seen.clear()
+        token_logprobs_and_entropy_from_hidden(torch.randn(2, 9, 4), torch.randn(10, 4),
+                                               torch.zeros(2, 9, dtype=torch.long), with_entropy=True,
+                                               entropy_grad=entropy_grad)
+        assert seen == [4, 4, 4, 4, 2]  # 40 logits per chunk at V = 10
 
 
 def test_from_hidden_shape_mismatch_raises():
@@ -374,10 +387,10 @@ def test_from_hidden_shape_mismatch_raises():
                                                torch.zeros(2, 3, dtype=torch.long), with_entropy=False)
 
 
-@pytest.mark.parametrize("from_hidden", [False, True])
-def test_a_detached_entropy_is_not_recomputed_in_the_backward(monkeypatch, from_hidden):
+def test_a_detached_entropy_is_not_recomputed_in_the_backward(monkeypatch):
     """The backward recomputes each chunk's log-probs; an entropy without gradient is part of
-    no graph, so its [n, V] passes run in the forward only (and a weighted one is recomputed)."""
+    no graph, so its [n, V] passes run in the forward only (and a weighted one is recomputed).
+    From hidden states, only a weighted entropy takes this path (tests/core/test_head_logprobs.py)."""
     from posttrain.core import logprobs
 
     calls = []
@@ -386,7 +399,8 @@ def test_a_detached_entropy_is_not_recomputed_in_the_backward(monkeypatch, from_
     torch.manual_seed(11)
     hidden, weight = torch.randn(2, 5, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
     labels = torch.randint(0, 30, (2, 5))
-    for entropy_grad, expected in ((False, [True] * 3 + [False] * 3), (True, [True] * 6)):
+    for from_hidden, entropy_grad, expected in ((False, False, [True] * 3 + [False] * 3), (False, True, [True] * 6),
+                                                (True, True, [True] * 6), (True, False, [])):
         calls.clear()
         if from_hidden:
             logp, entropy = token_logprobs_and_entropy_from_hidden(hidden, weight, labels, with_entropy=True,

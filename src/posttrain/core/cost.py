@@ -33,10 +33,9 @@ from dataclasses import dataclass
 SAVED_HIDDEN, SAVED_QUERY, SAVED_KV, SAVED_MLP = 4, 5, 3, 4
 # Copies of a layer's fused q/k/v and gate/up weights the training forward keeps per layer.
 FUSED_COPIES_WITH_GRAD = 2
-# fp32 [chunk, V] buffers alive at once while the LM head's chunk is scored and its backward
-# recomputed: the logits, their exponentials (log-sum-exp / softmax), the gradient of the
-# logits and that of the picked log-prob before they are summed (core/logprobs.py).
-LOGIT_BUFFERS = 4
+# fp32 [chunk, V] buffers alive at once while the LM head's chunks are scored and their backward
+# recomputed, at most: two float32 ones and the matmul's output (core/head_logprobs.py).
+LOGIT_BUFFERS = 3
 FLOAT32_BYTES = 4
 
 

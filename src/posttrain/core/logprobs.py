@@ -11,8 +11,10 @@ than having its float32 intermediates kept alive until then.
 
 `token_logprobs_and_entropy_from_hidden` goes one step further: it takes the LM head's input
 [B, T, H] and weight [V, H], and the head's matmul is part of the recomputed chunk, so no
-[B, T, V] logits tensor exists at all, in any dtype: only one [chunk, V] at a time.  Both
-functions run the same chunk loop and the same chunk body (`_score_chunk`).
+[B, T, V] logits tensor exists at all, in any dtype: only one [chunk, V] at a time. For the
+log-probs with an entropy for logging (every online forward), `core.head_logprobs` runs the
+chunks with a written-out backward and reused buffers; a weighted entropy and the sampler's
+top-k/top-p support take the same chunk loop and chunk body (`_score_chunk`) as the logits path.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import head_logprobs
 from .checks import check_shape
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -92,6 +95,14 @@ def token_logprobs_and_entropy_from_hidden(
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (the LM head's), got {tuple(weight.shape)}")
     if chunk_tokens is None:
         chunk_tokens = max(1, HIDDEN_CHUNK_ELEMENTS // weight.shape[0])
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if head_logprobs.covers(support_size, with_entropy, entropy_grad):
+        lead = hidden.shape[:-1]
+        logp, entropy = head_logprobs.head_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1), temperature=temperature,
+            with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+        return logp.view(lead), None if entropy is None else entropy.view(lead)
     return _chunked(_score_hidden_chunk, hidden, (weight, bias), labels, support_size, temperature, with_entropy,
                     entropy_grad, chunk_tokens)
 

@@ -125,7 +125,7 @@ def memory_by_stage(cfg, roles: list[Role], shape: DecoderShape, batch: Batch,
     forward_only = {**persistent,
                     "one layer's forward": forward_tokens * cost.forward_working_elements_per_token(shape) * act_bytes,
                     "attention masks": mask_bytes(batch, act_bytes),
-                    "logits (chunked)": cost.logit_chunk_bytes(shape.vocab, scored, chunk, buffers=3)}
+                    "logits (chunked)": cost.logit_chunk_bytes(shape.vocab, scored, chunk)}
     evaluate = {**persistent, **gathered,
                 "KV cache": cost.kv_cache_bytes(shape, batch.eval_rows, batch.prompt_tokens + batch.eval_tokens, sampler),
                 "prefill (one layer)": prefill_bytes(shape, batch.eval_rows, batch.prompt_tokens, sampler)}
