@@ -179,3 +179,17 @@ def test_engines_measures_each_engine_and_dtype_in_a_process_of_its_own(rollout_
 def test_engines_refuses_an_unknown_engine(rollout_speed):
     with pytest.raises(SystemExit):
         rollout_speed.main(["--engines", "--engine-rows", "fast,sglang"])
+
+
+def test_head_logprobs_benchmark_times_both_paths_and_finds_them_equal(tmp_path):
+    """benchmarks/head_logprobs.py at a tiny size: both paths timed each repeat, the same
+    log-probs and gradients (fp32), the result written as JSON."""
+    head = load_benchmark("head_logprobs")
+    out = tmp_path / "head.json"
+    result = head.main(["--tokens", "40", "--vocab", "300", "--hidden", "8", "--repeats", "2", "--fp32",
+                        "--json", str(out)])
+    assert json.loads(out.read_text())["settings"]["tokens"] == 40
+    for path in head.PATHS:
+        assert len(result["seconds"][path]["forward"]) == 2 and result["total_s"][path] > 0
+    assert max(result["max_abs_difference"].values()) < 1e-4
+    assert result["matmul_floor_s"] > 0
