@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-_HALF = (torch.float16, torch.bfloat16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # scored in float32
 UPCAST_ROWS = 2048  # rows of the weight gradient upcast at a time (4.7 MB at H = 576)
 
 
@@ -182,7 +182,7 @@ def _autocast_off(like: torch.Tensor):
 
 
 def _score_dtype(matmul: torch.dtype) -> torch.dtype:
-    return torch.float32 if matmul in _HALF else matmul
+    return torch.float32 if matmul in HALF_DTYPES else matmul
 
 
 def _accumulation_dtype(param: torch.Tensor) -> torch.dtype:

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import head_logprobs
+from .head_logprobs import HALF_DTYPES
 from .checks import check_shape
 
-_HALF = (torch.float16, torch.bfloat16)
 # The hidden-state path's default chunk: positions whose [chunk, V] float32 logits hold about
 # this many elements (2^24: 64 MB per buffer; 341 positions at V = 49k, 111 at V = 151k).
 HIDDEN_CHUNK_ELEMENTS = 1 << 24
@@ -65,6 +65,7 @@ def token_logprobs_and_entropy(
     check_shape("labels", labels, logits.shape[:-1], "logits[..., 0]")
     if support_size is not None:
         check_shape("support_size", support_size, logits.shape[:-1], "logits[..., 0]")
+    _check_chunk_tokens(chunk_tokens)
     return _chunked(_score_chunk, logits, (), labels, support_size, temperature, with_entropy, entropy_grad,
                     chunk_tokens)
 
@@ -95,8 +96,7 @@ def token_logprobs_and_entropy_from_hidden(
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}] (the LM head's), got {tuple(weight.shape)}")
     if chunk_tokens is None:
         chunk_tokens = max(1, HIDDEN_CHUNK_ELEMENTS // weight.shape[0])
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    _check_chunk_tokens(chunk_tokens)
     if head_logprobs.covers(support_size, with_entropy, entropy_grad):
         lead = hidden.shape[:-1]
         logp, entropy = head_logprobs.head_logprobs(
@@ -120,12 +120,15 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- internals
 
 
+def _check_chunk_tokens(chunk_tokens: int) -> None:
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+
+
 def _chunked(body, x, params, labels, support_size, temperature, with_entropy, entropy_grad, chunk_tokens):
     """``body(chunk, *params, labels, support_size, ...)`` over [n, last] chunks of x [.., last]
     (logits, or hidden states with ``params`` the LM head's weight and bias), each one
     checkpointed when a backward will run, the results joined back to x's leading shape."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     lead = x.shape[:-1]
     pieces = _position_chunks(x, chunk_tokens)
     sizes = [piece.shape[0] for piece in pieces]
@@ -195,7 +198,7 @@ def _score_hidden_chunk(h, weight, bias, labels, support_size, **options):
 
 def _score_chunk(z, labels, support_size, *, temperature, with_entropy, entropy_grad):
     """Log-prob of ``labels`` and entropy for one [n, V] chunk, in float32 (or float64)."""
-    if z.dtype in _HALF:
+    if z.dtype in HALF_DTYPES:
         z = z.float()
     if temperature != 1.0:
         z = z / temperature
